@@ -1,0 +1,37 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - creates .venv, installs torch==2.13.0 (if missing) and the project, runs the demo
+#   make test   - the same set-up with the test extras, then the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: an open range would pull a multi-GB CUDA build.
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
+	touch $@
+
+$(VENV)/.installed-demo: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(BIN)/python examples/quickstart.py
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest tests -q
+
+bench: $(VENV)/.installed-demo
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) sg_logs .pytest_cache

@@ -1,0 +1,146 @@
+"""GuardConfig: every setting of the guard, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+from .errors import ConfigError
+
+#: The values ``nan_action`` accepts.
+NAN_ACTIONS = ("skip", "rollback", "raise")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Settings of a :class:`~stabilityguard.GuardedOptimizer`.
+
+    Every field is validated when the config is built; an invalid value raises
+    :class:`~stabilityguard.errors.ConfigError` naming the field, the allowed values and what was passed.
+
+    Example:
+        >>> cfg = GuardConfig(spike_threshold=20.0, nan_action="rollback", verbose=False)
+        >>> cfg.warmup_steps
+        10
+    """
+
+    spike_threshold: float = 10.0
+    """A layer spikes when its gradient norm divided by its EMA baseline exceeds this (must be > 1)."""
+
+    nan_action: str = "skip"
+    """What to do on a spike or NaN/Inf gradient: ``"skip"``, ``"rollback"`` or ``"raise"``."""
+
+    log_every: int = 50
+    """Steps between compact step-summary events (and console summary lines)."""
+
+    log_dir: Optional[Union[str, Path]] = "./sg_logs"
+    """Directory of the JSONL event log and the ``spike_step{N}.json`` reports; ``None`` writes no files."""
+
+    ema_alpha: float = 0.01
+    """EMA smoothing factor of the baselines, in (0, 1]; smaller adapts more slowly (~1/alpha steps)."""
+
+    warmup_steps: int = 10
+    """Accepted steps a layer needs before spike detection covers it (NaN/Inf is caught from step 0)."""
+
+    verbose: bool = True
+    """Print the spike panel and periodic summaries to stdout. ``False`` prints nothing."""
+
+    level_shift_patience: int = 20
+    """Consecutive finite spikes of one layer after which its new gradient level is accepted.
+
+    Only accepted steps update baselines, so a genuine regime change (unfreezing, a data-mix change, an
+    LR jump) would otherwise be skipped forever. After this many consecutive spikes in the same layer,
+    that layer's baseline is reset to the current norm, the step is accepted (if no other layer spikes)
+    and a ``baseline_reset`` event is emitted. Bursts shorter than this are still skipped.
+    """
+
+    rollback_interval: int = 100
+    """With ``nan_action="rollback"``: accepted steps between snapshots of model and optimizer state."""
+
+    snapshot_device: str = "cpu"
+    """Where rollback snapshots live (``"cpu"`` or a device such as ``"cuda:0"``).
+
+    One snapshot costs the model's parameters and buffers plus the optimizer state (about 3x the
+    parameters for Adam) in memory on this device. Only one snapshot is kept.
+    """
+
+    run_id: Optional[str] = None
+    """Identifier written in every event; generated from the time and a random suffix when ``None``."""
+
+    def __post_init__(self) -> None:
+        _check_number("spike_threshold", self.spike_threshold, low=1.0, low_inclusive=False)
+        if self.nan_action not in NAN_ACTIONS:
+            raise ConfigError(
+                f"nan_action must be one of {', '.join(repr(a) for a in NAN_ACTIONS)}; "
+                f"got {self.nan_action!r}"
+            )
+        _check_int("log_every", self.log_every, low=1)
+        if self.log_dir is not None and not isinstance(self.log_dir, (str, Path)):
+            raise ConfigError(
+                f"log_dir must be a path (str or pathlib.Path) or None; got {self.log_dir!r}"
+            )
+        _check_number("ema_alpha", self.ema_alpha, low=0.0, low_inclusive=False, high=1.0)
+        _check_int("warmup_steps", self.warmup_steps, low=0)
+        if not isinstance(self.verbose, bool):
+            raise ConfigError(f"verbose must be True or False; got {self.verbose!r}")
+        _check_int("level_shift_patience", self.level_shift_patience, low=1)
+        _check_int("rollback_interval", self.rollback_interval, low=1)
+        if not isinstance(self.snapshot_device, str):
+            raise ConfigError(
+                f"snapshot_device must be a device string such as 'cpu' or 'cuda:0'; "
+                f"got {self.snapshot_device!r}"
+            )
+        try:
+            import torch
+
+            torch.device(self.snapshot_device)
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigError(
+                f"snapshot_device must be a device string such as 'cpu' or 'cuda:0'; "
+                f"got {self.snapshot_device!r}"
+            ) from exc
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id):
+            raise ConfigError(f"run_id must be a non-empty string or None; got {self.run_id!r}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Return the config as JSON-native values (paths become strings)."""
+        out = asdict(self)
+        if out["log_dir"] is not None:
+            out["log_dir"] = str(out["log_dir"])
+        return out
+
+    @classmethod
+    def field_names(cls) -> tuple:
+        """Names of all fields, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+
+def _check_number(
+    name: str,
+    value: Any,
+    *,
+    low: Optional[float] = None,
+    low_inclusive: bool = True,
+    high: Optional[float] = None,
+) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value >= low if low_inclusive else value > low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        parts = []
+        if low is not None:
+            parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
+        if high is not None:
+            parts.append(f"<= {high:g}")
+        allowed = " and ".join(parts) if parts else "finite"
+        raise ConfigError(f"{name} must be a finite number {allowed}; got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")

@@ -1,0 +1,238 @@
+"""Structured event records: what the guard saw and did, as JSON-native frozen dataclasses.
+
+Every record carries ``schema_version``, ``kind``, ``run_id``, ``rank``, ``step`` and ``time``. The
+schema is documented in ``docs/events.md``. Versioning: ``SCHEMA_VERSION`` is ``"MAJOR.MINOR"``; a minor
+bump only adds fields (readers ignore unknown fields), a major bump changes or removes fields (readers
+refuse a newer major version).
+"""
+
+from __future__ import annotations
+
+import math
+import time as _time
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
+
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
+
+
+class EventKind(str, Enum):
+    """The kinds of event record."""
+
+    RUN_START = "run_start"
+    STEP_SUMMARY = "step_summary"
+    SPIKE = "spike"
+    NONFINITE = "nonfinite"
+    ACTION = "action"
+    BASELINE_RESET = "baseline_reset"
+    RUN_END = "run_end"
+
+
+class Action(str, Enum):
+    """What the guard did about an unsafe step."""
+
+    SKIP = "skip"
+    ROLLBACK = "rollback"
+    RAISE = "raise"
+
+
+def json_float(value: Any) -> Optional[float]:
+    """Return ``value`` as a finite Python float, or ``None`` for NaN/Inf/None.
+
+    JSON has no NaN or Infinity; the records use ``null`` instead and say which values were non-finite
+    in dedicated fields.
+    """
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardEvent:
+    """Fields common to every record.
+
+    Attributes:
+        run_id: Identifier of the guarded run.
+        step: Guard step: the 0-based count of ``GuardedOptimizer.step()`` calls before this one.
+        time: Unix time in seconds when the record was made.
+        rank: Distributed rank of the process that made it (0 without torch.distributed).
+    """
+
+    kind: ClassVar[EventKind]
+    run_id: str
+    step: int
+    time: float = field(default_factory=_time.time)
+    rank: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Return the record as a dict of JSON-native values, ``schema_version`` and ``kind`` first."""
+        out: Dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": self.kind.value}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, Enum) else value
+        return out
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> "GuardEvent":
+        """Rebuild a record from :meth:`to_dict` output; unknown fields are ignored.
+
+        Raises:
+            ValueError: For an unknown kind or a newer major schema version.
+
+        Example:
+            >>> ev = Spike(run_id="r", step=3, layer="fc2", ratio=12.5, action="skip")
+            >>> GuardEvent.from_dict(ev.to_dict()) == ev
+            True
+        """
+        version = str(data.get("schema_version", SCHEMA_VERSION))
+        try:
+            major = int(version.split(".")[0])
+        except ValueError as exc:
+            raise ValueError(f"unreadable schema_version {version!r}") from exc
+        if major > SCHEMA_MAJOR:
+            raise ValueError(
+                f"event schema {version} is newer than this stabilityguard reads ({SCHEMA_VERSION}); "
+                "upgrade stabilityguard"
+            )
+        kind = data.get("kind")
+        cls = _KINDS.get(kind)  # type: ignore[arg-type]
+        if cls is None:
+            raise ValueError(f"unknown event kind {kind!r}; known: {sorted(_KINDS)}")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStart(GuardEvent):
+    """The guard was created: its configuration and what it watches."""
+
+    kind: ClassVar[EventKind] = EventKind.RUN_START
+    config: Dict[str, Any] = field(default_factory=dict)
+    optimizer: str = ""
+    n_params: int = 0
+    n_layers: int = 0
+    layer_names: List[str] = field(default_factory=list)
+    torch_version: str = ""
+    version: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSummary(GuardEvent):
+    """Compact summary written every ``log_every`` steps.
+
+    ``max_ratio``/``max_ratio_layer`` are the largest layer ratio seen since the previous summary; the
+    counters are totals since the start of the run.
+    """
+
+    kind: ClassVar[EventKind] = EventKind.STEP_SUMMARY
+    global_norm: Optional[float] = None
+    max_ratio: Optional[float] = None
+    max_ratio_layer: Optional[str] = None
+    loss: Optional[float] = None
+    lr: Optional[float] = None
+    threshold: float = 0.0
+    steps: int = 0
+    spikes: int = 0
+    nonfinite: int = 0
+    skipped: int = 0
+    rollbacks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spike(GuardEvent):
+    """A finite gradient spike: at least one layer's ratio exceeded the threshold.
+
+    Attributes:
+        layer: Trigger layer (highest ratio).
+        ratio: Its norm / baseline.
+        grad_norm: Its gradient norm.
+        baseline: Its EMA baseline before this step.
+        threshold: The threshold in force.
+        action: What the guard did (``skip``/``rollback``/``raise``).
+        loss: Loss of this step if it was handed to the guard.
+        global_norm: Norm over all gradients.
+        spike_layers: Every layer over the threshold with its ratio.
+        layer_norms: Norm of every layer and parameter (``null`` for NaN/Inf).
+        ema_baselines: Baseline of every layer and parameter before this step (``null`` before warm-up).
+        nan_layers: Layers with NaN/Inf gradients (empty for a finite spike).
+    """
+
+    kind: ClassVar[EventKind] = EventKind.SPIKE
+    layer: str = ""
+    ratio: Optional[float] = None
+    grad_norm: Optional[float] = None
+    baseline: Optional[float] = None
+    threshold: float = 0.0
+    action: str = Action.SKIP.value
+    loss: Optional[float] = None
+    global_norm: Optional[float] = None
+    spike_layers: Dict[str, float] = field(default_factory=dict)
+    layer_norms: Dict[str, Optional[float]] = field(default_factory=dict)
+    ema_baselines: Dict[str, Optional[float]] = field(default_factory=dict)
+    nan_layers: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFinite(Spike):
+    """NaN or Inf gradients (or loss). ``layer`` is the first non-finite layer in model order.
+
+    ``nonfinite_values`` maps each non-finite layer to ``"nan"`` or ``"inf"``; ``loss_finite`` is
+    ``False`` when the loss handed to the guard was itself NaN/Inf.
+    """
+
+    kind: ClassVar[EventKind] = EventKind.NONFINITE
+    nonfinite_values: Dict[str, str] = field(default_factory=dict)
+    loss_finite: Optional[bool] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionTaken(GuardEvent):
+    """The guard acted on an unsafe step.
+
+    Attributes:
+        action: ``skip``, ``rollback`` or ``raise``.
+        reason: ``spike`` or ``nonfinite``.
+        layer: The trigger layer.
+        rollback_to_step: For ``rollback``: the guard step whose state was restored (the state after
+            that many accepted updates had been applied).
+    """
+
+    kind: ClassVar[EventKind] = EventKind.ACTION
+    action: str = Action.SKIP.value
+    reason: str = "spike"
+    layer: str = ""
+    rollback_to_step: Optional[int] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaselineReset(GuardEvent):
+    """A layer spiked ``level_shift_patience`` steps in a row: its new level was accepted."""
+
+    kind: ClassVar[EventKind] = EventKind.BASELINE_RESET
+    layer: str = ""
+    old_baseline: Optional[float] = None
+    new_baseline: Optional[float] = None
+    consecutive: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEnd(GuardEvent):
+    """The guard was closed: totals of the run."""
+
+    kind: ClassVar[EventKind] = EventKind.RUN_END
+    steps: int = 0
+    spikes: int = 0
+    nonfinite: int = 0
+    skipped: int = 0
+    rollbacks: int = 0
+    baseline_resets: int = 0
+    final_loss: Optional[float] = None
+
+
+_KINDS: Dict[str, Type[GuardEvent]] = {
+    cls.kind.value: cls
+    for cls in (RunStart, StepSummary, Spike, NonFinite, ActionTaken, BaselineReset, RunEnd)
+}

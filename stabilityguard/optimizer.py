@@ -1,0 +1,547 @@
+"""GuardedOptimizer: the one-line change. ``step()`` = stats -> detect -> act -> emit."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import time
+import weakref
+from itertools import chain
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+import torch
+import torch.optim.optimizer as _torch_optimizer
+
+from . import __version__
+from .actions import RollbackManager, skip_step
+from .config import GuardConfig
+from .detector import Decision, SpikeDetector
+from .errors import ConfigError, GradientSpikeError
+from .events import (
+    Action,
+    ActionTaken,
+    BaselineReset,
+    GuardEvent,
+    NonFinite,
+    RunEnd,
+    RunStart,
+    Spike,
+    StepSummary,
+    json_float,
+)
+from .sinks import ConsoleSink, JsonlSink, Sink, SinkDispatcher, SpikeReportSink
+from .stats import GradStats, GradStatsCollector, ParamIndex, nonfinite_layers
+
+logger = logging.getLogger(__name__)
+
+# torch's registries of global optimizer hooks (register_optimizer_step_pre_hook / _post_hook).
+_global_pre_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
+_global_post_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_post_hooks", {})
+
+_LOSS_LAYER = "(loss)"  # trigger "layer" when only the loss is non-finite
+
+
+def new_run_id() -> str:
+    """A run id from the UTC time and a random suffix, e.g. ``20261129-183500-a1b2c3``."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def _dist_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+@dataclass
+class GuardCounters:
+    """Totals of a run (``steps`` is the number of ``step()`` calls so far)."""
+
+    steps: int = 0
+    accepted: int = 0
+    spikes: int = 0
+    nonfinite: int = 0
+    skipped: int = 0
+    rollbacks: int = 0
+    baseline_resets: int = 0
+    last_loss: Optional[float] = None
+
+
+def _finish_run(dispatcher: SinkDispatcher, counters: GuardCounters, run_id: str, rank: int) -> None:
+    totals = asdict(counters)
+    totals.pop("accepted")
+    final_loss = json_float(totals.pop("last_loss"))
+    dispatcher.emit(RunEnd(run_id=run_id, rank=rank, step=counters.steps, final_loss=final_loss, **totals))
+    dispatcher.close()
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer and refuses unsafe steps: gradient spikes and NaN/Inf.
+
+    It is a real ``torch.optim.Optimizer`` that shares ``param_groups`` and ``state`` with the wrapped
+    optimizer, so LR schedulers, ``zero_grad``, optimizer hooks, ``isinstance`` checks and
+    ``torch.amp.GradScaler`` work unchanged. Each ``step()``:
+
+    1. measures every parameter's gradient norm with ``torch._foreach_norm`` (one device->host transfer),
+       aggregates them per layer (the module owning the parameters) and checks for NaN/Inf;
+    2. compares each layer's norm with its EMA baseline (``norm / baseline > spike_threshold`` is a spike,
+       after ``warmup_steps`` accepted steps; NaN/Inf is caught from step 0);
+    3. calls the wrapped optimizer's ``step()`` if the step is safe, else applies ``nan_action``;
+    4. emits events to the sinks (JSONL log, ``spike_step{N}.json``, console, trackers).
+
+    Args:
+        base_opt: The optimizer to guard.
+        model: The model, used to name parameters and layers and to roll back buffers (optional:
+            without it parameters are named ``param_groups.G.I``).
+        spike_threshold: Ratio of a layer's norm to its EMA baseline that counts as a spike (> 1).
+        nan_action: ``"skip"`` (weights and optimizer state untouched, grads cleared), ``"rollback"``
+            (restore model and optimizer state from the last snapshot) or ``"raise"``
+            (:class:`~stabilityguard.GradientSpikeError`). Applies to spikes and NaN/Inf.
+        log_every: Steps between compact summary events.
+        log_dir: Directory of the JSONL event log and spike reports (``None``: no files).
+        ema_alpha: EMA factor of the baselines.
+        warmup_steps: Accepted steps before spike detection covers a layer.
+        verbose: Print the spike panel and summaries. ``False`` prints nothing.
+        level_shift_patience: Consecutive spikes of one layer after which its new level is accepted.
+        rollback_interval: Accepted steps between rollback snapshots.
+        snapshot_device: Where rollback snapshots live; one snapshot costs the model's parameters and
+            buffers plus the optimizer state (~3x the parameters for Adam) in memory there.
+        run_id: Run identifier written in every event (generated when ``None``).
+        sinks: Extra sinks (e.g. ``WandBBridge()``), added after the built-in ones.
+        config: A complete :class:`GuardConfig`; when given, it is used instead of the individual
+            settings above.
+
+    Raises:
+        ConfigError: For an invalid argument (the message names it, the allowed values and the value).
+
+    Example:
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model,
+        ...                        spike_threshold=10.0, nan_action="skip", log_dir=None, verbose=False)
+        >>> loss = model(torch.randn(8, 4)).pow(2).mean()
+        >>> loss.backward()
+        >>> _ = opt.step(loss=loss)
+        >>> opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        base_opt: torch.optim.Optimizer,
+        model: Optional[torch.nn.Module] = None,
+        *,
+        spike_threshold: float = 10.0,
+        nan_action: str = "skip",
+        log_every: int = 50,
+        log_dir: Optional[Union[str, Path]] = "./sg_logs",
+        ema_alpha: float = 0.01,
+        warmup_steps: int = 10,
+        verbose: bool = True,
+        level_shift_patience: int = 20,
+        rollback_interval: int = 100,
+        snapshot_device: str = "cpu",
+        run_id: Optional[str] = None,
+        sinks: Optional[Iterable[Sink]] = None,
+        config: Optional[GuardConfig] = None,
+    ) -> None:
+        if isinstance(base_opt, GuardedOptimizer):
+            raise ConfigError("base_opt is already a GuardedOptimizer; wrap the plain optimizer once")
+        if not isinstance(base_opt, torch.optim.Optimizer):
+            raise ConfigError(
+                f"base_opt must be a torch.optim.Optimizer (e.g. torch.optim.AdamW); got {type(base_opt).__name__}"
+            )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
+        if config is None:
+            config = GuardConfig(
+                spike_threshold=spike_threshold,
+                nan_action=nan_action,
+                log_every=log_every,
+                log_dir=log_dir,
+                ema_alpha=ema_alpha,
+                warmup_steps=warmup_steps,
+                verbose=verbose,
+                level_shift_patience=level_shift_patience,
+                rollback_interval=rollback_interval,
+                snapshot_device=snapshot_device,
+                run_id=run_id,
+            )
+        elif not isinstance(config, GuardConfig):
+            raise ConfigError(f"config must be a GuardConfig or None; got {type(config).__name__}")
+        extra_sinks = list(sinks) if sinks is not None else []
+        for s in extra_sinks:
+            if not callable(getattr(s, "emit", None)):
+                raise ConfigError(
+                    f"sinks must be objects with an emit(event) method (see stabilityguard.sinks.Sink); got {s!r}"
+                )
+
+        # Optimizer.__init__ sets up hooks and the profiled step; its param_groups/state are then
+        # replaced by the wrapped optimizer's own objects, so both see the same groups and state.
+        super().__init__([dict(g) for g in base_opt.param_groups], base_opt.defaults)
+        self.base_optimizer = base_opt
+        self.model = model
+        self.config = config
+        self._share_base()
+
+        self.run_id = config.run_id or new_run_id()
+        self.rank = _dist_rank()
+        self.counters = GuardCounters()
+        self.last_stats: Optional[GradStats] = None
+        self._pending_loss: Any = None
+        self._window_max = (float("-inf"), -1)
+        self._build_index()
+
+        built_in: List[Sink] = []
+        if config.log_dir is not None:
+            built_in += [JsonlSink(config.log_dir), SpikeReportSink(config.log_dir)]
+        if config.verbose:
+            built_in.append(ConsoleSink(report_dir=config.log_dir))
+        self.dispatcher = SinkDispatcher(built_in + extra_sinks)
+
+        self._rollback: Optional[RollbackManager] = None
+        if config.nan_action == Action.ROLLBACK.value:
+            self._rollback = RollbackManager(
+                model, base_opt, interval=config.rollback_interval, device=config.snapshot_device
+            )
+            self._rollback.snapshot(0)
+
+        self._emit(
+            self._event(
+                RunStart,
+                0,
+                config=config.to_dict() | {"run_id": self.run_id},
+                optimizer=type(base_opt).__name__,
+                n_params=self._index.n_params,
+                n_layers=self._index.n_layers,
+                layer_names=list(self._index.layer_names),
+                torch_version=torch.__version__,
+                version=__version__,
+            )
+        )
+        self._finalizer = weakref.finalize(
+            self, _finish_run, self.dispatcher, self.counters, self.run_id, self.rank
+        )
+
+    # ----------------------------------------------------------------------------- plumbing
+    def _share_base(self) -> None:
+        base = self.base_optimizer
+        self.param_groups = base.param_groups
+        self.state = base.state
+        self.defaults = base.defaults
+
+    def _build_index(self) -> None:
+        old = self._detector.state_dict() if getattr(self, "_detector", None) is not None else None
+        idx = ParamIndex.build(self.model, self.param_groups)
+        n_l = idx.n_layers
+        names = [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names]
+        group = list(range(n_l)) + idx.layer_of_param.tolist()
+        cfg = self.config
+        self._index = idx
+        self._collector = GradStatsCollector(idx)
+        self._names = list(idx.layer_names) + list(idx.param_names)
+        self._n_layers = n_l
+        self._detector = SpikeDetector(
+            names,
+            n_l,
+            group,
+            threshold=cfg.spike_threshold,
+            alpha=cfg.ema_alpha,
+            warmup_steps=cfg.warmup_steps,
+            patience=cfg.level_shift_patience,
+        )
+        if old is not None:
+            self._detector.load_state_dict(old)
+
+    def __getattr__(self, name: str) -> Any:
+        # Forward public attributes of the wrapped optimizer (e.g. schedule-free optimizers' train()).
+        if name.startswith("_") or "base_optimizer" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["base_optimizer"], name)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"GuardedOptimizer({type(self.base_optimizer).__name__}, spike_threshold={c.spike_threshold}, "
+            f"nan_action={c.nan_action!r}, run_id={self.run_id!r})"
+        )
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer and start watching its parameters."""
+        if "base_optimizer" not in self.__dict__:  # during Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        self.base_optimizer.add_param_group(param_group)
+        self._share_base()
+        self._build_index()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients (delegates to the wrapped optimizer)."""
+        self.base_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_sink(self, sink: Sink) -> None:
+        """Attach one more sink (e.g. a tracker bridge) after construction."""
+        self.dispatcher.add(sink)
+
+    def _emit(self, event: GuardEvent) -> None:
+        self.dispatcher.emit(event)
+
+    @property
+    def guard_step(self) -> int:
+        """Number of ``step()`` calls so far: the step number the next call will report."""
+        return self.counters.steps
+
+    @property
+    def param_index(self) -> ParamIndex:
+        """The watched parameters, their names and layers."""
+        return self._index
+
+    def observe_loss(self, loss: Union[torch.Tensor, float]) -> None:
+        """Hand over this step's loss without a closure, for events and reports.
+
+        A tensor is read in the step's single device->host transfer (no extra sync).
+        """
+        self._pending_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+    # ----------------------------------------------------------------------------- the step
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, loss: Any = None) -> Any:  # type: ignore[override]
+        """Check the gradients, then step the wrapped optimizer or act on the problem.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (its gradients are checked too).
+            loss: This step's loss, if no closure is given (same as :meth:`observe_loss`).
+
+        Returns:
+            The loss (from the closure, or as handed over), like ``torch.optim.Optimizer.step``.
+
+        Raises:
+            GradientSpikeError: With ``nan_action="raise"`` on a spike or NaN/Inf.
+        """
+        # Optimizer step hooks run as torch runs them; the profiler label only while profiling
+        # (torch's own wrapper costs a record_function on every step, see DESIGN: hot path).
+        if _global_pre_hooks or self._optimizer_step_pre_hooks or _global_post_hooks or self._optimizer_step_post_hooks:
+            return self._step_with_hooks(closure, loss)
+        if torch.autograd._profiler_enabled():
+            with torch.autograd.profiler.record_function("Optimizer.step#GuardedOptimizer.step"):
+                return self._guarded_step(closure, loss)
+        return self._guarded_step(closure, loss)
+
+    step.hooked = True  # type: ignore[attr-defined]  # tells Optimizer.__init__ not to wrap step()
+
+    def _step_with_hooks(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
+        args: tuple = (self,) if closure is None else (self, closure)
+        kwargs: Dict[str, Any] = {} if loss is None else {"loss": loss}
+        for pre_hook in chain(_global_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        out = self._guarded_step(closure, kwargs.get("loss"))
+        for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_post_hooks.values()):
+            post_hook(self, args, kwargs)
+        return out
+
+    def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        elif loss is None:
+            loss = self._pending_loss
+        self._pending_loss = None
+        step = self.counters.steps
+        stats = self._collector.collect(loss)
+        self.last_stats = stats
+        error: Optional[GradientSpikeError] = None
+        try:
+            if stats.finite:
+                error = self._on_finite(step, stats)
+            else:
+                error = self._on_nonfinite(step, stats)
+        finally:
+            self.counters.steps = step + 1
+            if stats.loss is not None:
+                self.counters.last_loss = stats.loss
+        if (step + 1) % self.config.log_every == 0:
+            self._emit_summary(step, stats)
+        if error is not None:
+            raise error
+        return loss
+
+    def _accept(self, step: int) -> None:
+        self.base_optimizer.step()
+        self.counters.accepted += 1
+        if self._rollback is not None:
+            self._rollback.after_accepted_step(step + 1)
+
+    def _on_finite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
+        det = self._detector
+        values, present = stats.values, stats.present
+        decision = det.evaluate(values, present)
+        if decision.max_ratio > self._window_max[0]:  # False for NaN (no layer warmed up)
+            self._window_max = (decision.max_ratio, decision.max_index)
+        if decision.accepted and not decision.shifted:  # the common, fast path
+            det.commit(decision, values, present)
+            self._accept(step)
+            return None
+        before = det.baselines()
+        det.commit(decision, values, present)
+        for i in [i for i, s in enumerate(decision.level_shift or ()) if s]:
+            self.counters.baseline_resets += 1
+            self._emit(self._event(
+                BaselineReset, step, layer=self._names[i], old_baseline=json_float(before[i]),
+                new_baseline=json_float(values[i]), consecutive=self.config.level_shift_patience,
+            ))
+        if decision.accepted:
+            self._accept(step)
+            return None
+        return self._act_on_spike(step, stats, decision, before)
+
+    def _act_on_spike(
+        self,
+        step: int,
+        stats: GradStats,
+        decision: Decision,
+        before: List[float],
+    ) -> Optional[GradientSpikeError]:
+        assert decision.spike_mask is not None
+        t = decision.trigger
+        layer, ratio, norm = self._names[t], decision.ratios[t], stats.values[t]
+        self.counters.spikes += 1
+        message = (
+            f"gradient spike at step {step} in layer {layer!r}: norm {norm:.4g} is {ratio:.4g}x its "
+            f"baseline {before[t]:.4g} (spike_threshold={self.config.spike_threshold}); weights untouched"
+        )
+        spike_layers = {self._names[i]: decision.ratios[i] for i, s in enumerate(decision.spike_mask) if s}
+        return self._incident(
+            Spike, step, stats, before, message,
+            layer=layer, ratio=json_float(ratio), grad_norm=json_float(norm), baseline=json_float(before[t]),
+            spike_layers=spike_layers, nan_layers=[],
+        )
+
+    def _on_nonfinite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
+        bad = nonfinite_layers(stats, self._index)
+        nan_layers = [name for name, _ in bad]
+        layer = nan_layers[0] if nan_layers else _LOSS_LAYER
+        self.counters.nonfinite += 1
+        where = f"first non-finite layer {layer!r} of {len(nan_layers)}" if nan_layers else "in the loss"
+        return self._incident(
+            NonFinite, step, stats, self._detector.baselines(), f"NaN/Inf at step {step}: {where}; weights untouched",
+            layer=layer, ratio=None, nan_layers=nan_layers, nonfinite_values=dict(bad),
+            loss_finite=None if stats.loss is None else stats.loss_finite,
+        )
+
+    def _incident(
+        self, cls: type, step: int, stats: GradStats, before: List[float], message: str, **fields: Any
+    ) -> Optional[GradientSpikeError]:
+        """Act on an unsafe step, emit its record and the action record; the error to raise, if any."""
+        names, values = self._names, stats.values
+        norms = {names[i]: json_float(values[i]) for i in range(len(names)) if stats.is_present(i)}
+        baselines = {names[i]: json_float(b) for i, b in enumerate(before) if not math.isnan(b)}
+        action, rollback_to = self._apply_action()
+        event: Spike = self._event(
+            cls, step, threshold=self.config.spike_threshold, action=action, loss=json_float(stats.loss),
+            global_norm=json_float(stats.global_norm), layer_norms=norms, ema_baselines=baselines, **fields,
+        )
+        self._emit(event)
+        reason = event.kind.value
+        self._emit(self._event(ActionTaken, step, action=action, reason=reason, layer=event.layer,
+                               rollback_to_step=rollback_to))
+        self.dispatcher.flush()
+        if action != Action.RAISE.value:
+            return None
+        return GradientSpikeError(
+            message, step=step, layer=event.layer, ratio=event.ratio, reason=reason,
+            layer_norms=norms, baselines=baselines, nan_layers=event.nan_layers,
+        )
+
+    def _event(self, cls: type, step: int, **fields: Any) -> Any:
+        return cls(run_id=self.run_id, rank=self.rank, step=step, **fields)
+
+    def _apply_action(self) -> tuple:
+        action = self.config.nan_action
+        if action == Action.SKIP.value:
+            skip_step(self.base_optimizer)
+            self.counters.skipped += 1
+            return action, None
+        if action == Action.ROLLBACK.value:
+            assert self._rollback is not None
+            to = self._rollback.restore()
+            self.counters.rollbacks += 1
+            return action, to
+        return action, None  # raise: leave weights, state and grads for inspection
+
+    def _emit_summary(self, step: int, stats: GradStats) -> None:
+        ratio, idx = self._window_max
+        self._window_max = (float("-inf"), -1)
+        lr = self.param_groups[0].get("lr") if self.param_groups else None
+        c = self.counters
+        self._emit(
+            self._event(
+                StepSummary,
+                step,
+                global_norm=json_float(stats.global_norm),
+                max_ratio=json_float(ratio) if idx >= 0 else None,
+                max_ratio_layer=self._names[idx] if idx >= 0 else None,
+                loss=json_float(stats.loss),
+                lr=json_float(lr) if lr is not None else None,
+                threshold=self.config.spike_threshold,
+                steps=c.steps,
+                spikes=c.spikes,
+                nonfinite=c.nonfinite,
+                skipped=c.skipped,
+                rollbacks=c.rollbacks,
+            )
+        )
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Emit the ``run_end`` event and close the sinks (also done at interpreter exit)."""
+        self._finalizer()
+
+    def __enter__(self) -> "GuardedOptimizer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def guard_state_dict(self) -> Dict[str, Any]:
+        """The guard's own state: baselines, counters (JSON-native, loadable with weights_only)."""
+        return {
+            "format": 1,
+            "detector": self._detector.state_dict(),
+            "counters": asdict(self.counters),
+        }
+
+    def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`guard_state_dict` output (baselines are matched by layer name)."""
+        self._detector.load_state_dict(state["detector"])
+        unknown = self._detector.unknown_names(state["detector"])
+        if unknown:
+            logger.warning("stabilityguard: %d saved baselines match no layer here (e.g. %s)", len(unknown), unknown[0])
+        for k, v in state.get("counters", {}).items():
+            if hasattr(self.counters, k):
+                setattr(self.counters, k, v)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"``."""
+        sd = self.base_optimizer.state_dict()
+        sd["stabilityguard"] = self.guard_state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a checkpoint from :meth:`state_dict`, or a plain optimizer's (baselines start fresh)."""
+        sd = dict(state_dict)
+        guard = sd.pop("stabilityguard", None)
+        self.base_optimizer.load_state_dict(sd)
+        self._share_base()
+        if guard is not None:
+            self.load_guard_state_dict(guard)
+        else:
+            logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
+        if self._rollback is not None:
+            self._rollback.snapshot(self.counters.steps)
+
+
+__all__ = ["GuardCounters", "GuardedOptimizer", "new_run_id"]

@@ -1,0 +1,125 @@
+"""Console sink: the boxed spike panel and one-line periodic summaries on stdout.
+
+This is the only module of stabilityguard that prints.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import IO, List, Optional, Union
+
+from ..events import ActionTaken, BaselineReset, GuardEvent, NonFinite, RunEnd, Spike, StepSummary
+
+_WIDTH = 62  # inner width of the panel
+
+
+def _fmt(x: Optional[float]) -> str:
+    if x is None:
+        return "n/a"
+    ax = abs(x)
+    if ax != 0 and (ax >= 1e6 or ax < 1e-3):
+        return f"{x:.3g}"
+    return f"{x:.4g}" if ax < 100 else f"{x:.1f}"
+
+
+def _line(text: str) -> str:
+    if len(text) > _WIDTH:
+        text = text[: _WIDTH - 1] + "…"
+    return "║" + text.ljust(_WIDTH) + "║"
+
+
+def _action_text(action: str, rollback_to: Optional[int]) -> str:
+    if action == "skip":
+        return "optimizer.step() SKIPPED"
+    if action == "rollback":
+        return f"ROLLED BACK to the state before step {rollback_to}"
+    return "GradientSpikeError raised"
+
+
+class ConsoleSink:
+    """Prints the spike panel of the original design and a summary line every ``log_every`` steps.
+
+    Args:
+        report_dir: Where spike reports are written, for the "written →" line (None: no such line).
+        stream: Where to print (``sys.stdout`` at the time of printing by default).
+
+    Example:
+        >>> sink = ConsoleSink()  # added automatically when verbose=True  # doctest: +SKIP
+    """
+
+    def __init__(self, report_dir: Optional[Union[str, Path]] = None, stream: Optional[IO[str]] = None) -> None:
+        self.report_dir = Path(report_dir) if report_dir is not None else None
+        self.stream = stream
+        self._pending: Optional[Spike] = None
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream or sys.stdout, flush=True)
+
+    def emit(self, event: GuardEvent) -> None:
+        if isinstance(event, Spike):
+            # The panel is printed when the action is known (the ActionTaken event that follows).
+            self._pending = event
+        elif isinstance(event, ActionTaken):
+            if self._pending is not None and self._pending.step == event.step:
+                self._print(self.panel(self._pending, event))
+            self._pending = None
+        elif isinstance(event, StepSummary):
+            self._print(self.summary_line(event))
+        elif isinstance(event, BaselineReset):
+            self._print(
+                f"[stabilityguard] step {event.step}: {event.layer} spiked {event.consecutive} steps in a row; "
+                f"accepting its new gradient level (baseline {_fmt(event.old_baseline)} -> {_fmt(event.new_baseline)})"
+            )
+        elif isinstance(event, RunEnd):
+            self._print(
+                f"[stabilityguard] run end after {event.steps} steps: {event.spikes} spikes, "
+                f"{event.nonfinite} NaN/Inf, {event.skipped} skipped, {event.rollbacks} rollbacks"
+            )
+
+    def panel(self, spike: Spike, action: ActionTaken) -> str:
+        """The boxed panel for one spike or NaN/Inf step."""
+        lines: List[str] = []
+        if isinstance(spike, NonFinite):
+            title = f"  ⚠ STABILITYGUARD — NaN/Inf GRADIENT @ step {spike.step}"
+        else:
+            title = f"  ⚠ STABILITYGUARD — SPIKE DETECTED @ step {spike.step}"
+        lines.append("╔" + "═" * _WIDTH + "╗")
+        lines.append(_line(title))
+        lines.append("╠" + "═" * _WIDTH + "╣")
+        lines.append(_line(f"  Trigger layer  : {spike.layer}"))
+        if isinstance(spike, NonFinite):
+            kinds = spike.nonfinite_values
+            what = ", ".join(sorted(set(kinds.values()))) or "nan"
+            more = f" (+{len(spike.nan_layers) - 1} more)" if len(spike.nan_layers) > 1 else ""
+            lines.append(_line(f"  Non-finite     : {what} in {len(spike.nan_layers)} layer(s){more}"))
+        else:
+            lines.append(
+                _line(
+                    f"  Grad norm      : {_fmt(spike.grad_norm)}  (baseline: {_fmt(spike.baseline)}, "
+                    f"ratio: {_fmt(spike.ratio)}x)"
+                )
+            )
+        lines.append(_line(f"  Action taken   : {_action_text(action.action, action.rollback_to_step)}"))
+        loss = _fmt(spike.loss) if spike.loss is not None else "n/a"
+        if spike.loss is None and isinstance(spike, NonFinite) and spike.loss_finite is False:
+            loss = "NaN/Inf"
+        lines.append(_line(f"  Loss (pre-skip): {loss}"))
+        lines.append("╚" + "═" * _WIDTH + "╝")
+        if self.report_dir is not None:
+            suffix = f".rank{spike.rank}" if spike.rank else ""
+            lines.append(f"stabilityguard.log written → {self.report_dir / f'spike_step{spike.step}{suffix}.json'}")
+        if action.action != "raise":
+            lines.append("Your model weights are untouched. Training continues." if action.action == "skip"
+                         else "Model and optimizer restored. Training continues.")
+        return "\n".join(lines)
+
+    @staticmethod
+    def summary_line(event: StepSummary) -> str:
+        """One line for a periodic summary."""
+        ratio = f"{_fmt(event.max_ratio)}x ({event.max_ratio_layer})" if event.max_ratio is not None else "n/a"
+        return (
+            f"[stabilityguard] step {event.step} | grad norm {_fmt(event.global_norm)} | "
+            f"max ratio {ratio} | loss {_fmt(event.loss)} | spikes {event.spikes} | "
+            f"NaN/Inf {event.nonfinite} | skipped {event.skipped} | rollbacks {event.rollbacks}"
+        )

@@ -1,0 +1,289 @@
+"""Gradient statistics: per-parameter and per-layer norms with one device->host transfer.
+
+Pure functions of the gradients: nothing here knows about baselines, optimizers or events.
+
+How it works: ``torch._foreach_norm`` computes every parameter's L2 norm in one pass per
+(device, dtype) group (the same kernel ``clip_grad_norm_`` uses). The norms, and the loss when one was
+handed over, are stacked into one small vector on the device and copied to the host once. Layer norms
+are ``sqrt(sum of squares)`` of their parameters' norms, the global norm comes from the same numbers,
+and NaN/Inf propagates through a norm, so the non-finite check needs no extra pass over the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _clean_name(name: str) -> str:
+    """Strip wrapper prefixes (DDP's ``module.``, torch.compile's ``_orig_mod.``) from a name."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                changed = True
+        name = name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
+        name = name.replace("._checkpoint_wrapped_module.", ".")
+    return name
+
+
+def layer_of(param_name: str) -> str:
+    """Name of the module that owns a parameter: ``"fc2.weight"`` -> ``"fc2"``.
+
+    A parameter registered directly on the root module is its own layer.
+    """
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+@dataclass(frozen=True)
+class ParamIndex:
+    """Which parameters the guard watches, their names and the layer each belongs to.
+
+    Parameters are in model order (``model.named_parameters()``); parameters the optimizer holds but the
+    model does not name come last as ``param_groups.G.I``, each its own layer.
+
+    Attributes:
+        params: The watched parameters.
+        param_names: Their names.
+        layer_names: Layer names, in order of first appearance.
+        layer_of_param: For each parameter, the index of its layer in ``layer_names``.
+    """
+
+    params: Tuple[torch.Tensor, ...]
+    param_names: Tuple[str, ...]
+    layer_names: Tuple[str, ...]
+    layer_of_param: np.ndarray
+
+    @classmethod
+    def build(cls, model: Optional[torch.nn.Module], param_groups: Sequence[dict]) -> "ParamIndex":
+        """Index the optimizer's parameters, named after the model's ``named_parameters()``.
+
+        Example:
+            >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            >>> idx = ParamIndex.build(m, torch.optim.SGD(m.parameters(), lr=0.1).param_groups)
+            >>> idx.param_names, idx.layer_names
+            (('0.weight', '0.bias'), ('0',))
+        """
+        in_opt: Dict[int, str] = {}
+        order: List[torch.Tensor] = []
+        for g, group in enumerate(param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in in_opt:
+                    in_opt[id(p)] = f"param_groups.{g}.{i}"
+                    order.append(p)
+        named: List[Tuple[str, str, torch.Tensor]] = []  # (param name, layer name, param)
+        seen = set()
+        if model is not None:
+            for name, p in model.named_parameters():
+                if id(p) in in_opt and id(p) not in seen:
+                    name = _clean_name(name)
+                    named.append((name, layer_of(name), p))
+                    seen.add(id(p))
+        for p in order:
+            if id(p) not in seen:  # not named by the model: its own layer
+                named.append((in_opt[id(p)], in_opt[id(p)], p))
+                seen.add(id(p))
+        layers: Dict[str, int] = {}
+        layer_idx = []
+        for _, layer, _ in named:
+            layer_idx.append(layers.setdefault(layer, len(layers)))
+        return cls(
+            params=tuple(p for _, _, p in named),
+            param_names=tuple(n for n, _, _ in named),
+            layer_names=tuple(layers),
+            layer_of_param=np.asarray(layer_idx, dtype=np.int64),
+        )
+
+    @property
+    def n_params(self) -> int:
+        return len(self.params)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_names)
+
+
+@dataclass
+class GradStats:
+    """Statistics of one step's gradients, on the host, as plain Python floats.
+
+    Attributes:
+        values: Gradient norms of every layer, then of every parameter (0.0 where absent).
+        present: Which entries of ``values`` have a gradient this step; ``None`` means all of them.
+        n_layers: How many of ``values`` are layers.
+        global_norm: L2 norm over all gradients (NaN/Inf when any gradient is).
+        loss: The loss handed to the guard, as a float (``None`` when none was given).
+    """
+
+    values: List[float]
+    present: Optional[List[bool]]
+    n_layers: int
+    global_norm: float
+    loss: Optional[float]
+
+    @property
+    def layer_norms(self) -> List[float]:
+        return self.values[: self.n_layers]
+
+    @property
+    def param_norms(self) -> List[float]:
+        return self.values[self.n_layers:]
+
+    def is_present(self, i: int) -> bool:
+        """Whether entry ``i`` of ``values`` had a gradient this step."""
+        return self.present is None or self.present[i]
+
+    @property
+    def grads_finite(self) -> bool:
+        """True when every present gradient is free of NaN/Inf."""
+        return math.isfinite(self.global_norm)
+
+    @property
+    def loss_finite(self) -> bool:
+        return self.loss is None or math.isfinite(self.loss)
+
+    @property
+    def finite(self) -> bool:
+        return self.grads_finite and self.loss_finite
+
+
+LossLike = Union[torch.Tensor, float, int, None]
+
+
+class GradStatsCollector:
+    """Computes :class:`GradStats` for a :class:`ParamIndex` with one host transfer.
+
+    The per-step path is kept short on purpose (it runs between backward and step): when every watched
+    parameter has a dense gradient on one device with one dtype, it is one ``_foreach_norm``, one
+    ``stack`` and one transfer (``tolist``); the rest is plain Python over a few hundred floats at most,
+    which is cheaper than a dozen small numpy calls. Other cases (missing or sparse gradients, several
+    devices or dtypes) take a general path.
+
+    Example:
+        >>> m = torch.nn.Linear(3, 1)
+        >>> idx = ParamIndex.build(m, [{"params": list(m.parameters())}])
+        >>> m(torch.ones(1, 3)).sum().backward()
+        >>> stats = GradStatsCollector(idx).collect()
+        >>> round(stats.global_norm, 4)
+        2.0
+    """
+
+    def __init__(self, index: ParamIndex) -> None:
+        self.index = index
+        self._n_layers = index.n_layers
+        self._members: List[List[int]] = [[] for _ in range(index.n_layers)]
+        for i, layer in enumerate(index.layer_of_param.tolist()):
+            self._members[layer].append(i)
+        kinds = {(p.device, p.dtype) for p in index.params}
+        self._uniform = len(kinds) == 1
+        self._norm_dtype: Optional[torch.dtype] = None
+        if self._uniform:
+            (_, dtype), = kinds
+            if dtype in (torch.float16, torch.bfloat16):
+                # Half-precision grads are accumulated in float32 so large norms do not overflow.
+                self._norm_dtype = torch.float32
+
+    def collect(self, loss: LossLike = None) -> GradStats:
+        """Measure the current ``.grad`` of every watched parameter (and the loss, if given)."""
+        grads = [p.grad for p in self.index.params]
+        norms = None
+        if self._uniform:
+            try:
+                # One pass over every gradient (raises on a missing or sparse gradient: general path).
+                if self._norm_dtype is None:
+                    norms = torch._foreach_norm(grads, 2)
+                else:
+                    norms = torch._foreach_norm(grads, 2, dtype=self._norm_dtype)
+            except (TypeError, RuntimeError):
+                norms = None
+        if norms is None:
+            return self._collect_general(grads, loss)
+        loss_val: Optional[float] = None
+        with_loss = isinstance(loss, torch.Tensor)
+        if with_loss:
+            lt, ref = loss.detach(), norms[0]
+            if lt.dim():
+                lt = lt.float().mean() if lt.numel() != 1 else lt.reshape(())
+            if lt.dtype != ref.dtype or lt.device != ref.device:
+                lt = lt.to(device=ref.device, dtype=ref.dtype)
+            norms = [*norms, lt]
+        elif loss is not None:
+            loss_val = float(loss)
+        # The one device->host transfer (a sync on accelerators) of the step.
+        host = torch.stack(norms).tolist()
+        if with_loss:
+            loss_val = host.pop()
+        return self._finish(host, None, loss_val)
+
+    def _finish(self, param_norms: List[float], param_present: Optional[List[bool]], loss: Optional[float]) -> GradStats:
+        sq = [v * v for v in param_norms]
+        layer_sq = [sum([sq[i] for i in members]) for members in self._members]
+        values = [math.sqrt(v) for v in layer_sq]
+        values += param_norms
+        present = None
+        if param_present is not None:
+            present = [any(param_present[i] for i in members) for members in self._members] + param_present
+        return GradStats(values, present, self._n_layers, math.sqrt(sum(layer_sq)), loss)
+
+    @torch.no_grad()
+    def _collect_general(self, grads: List[Optional[torch.Tensor]], loss: LossLike) -> GradStats:
+        groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        group_pos: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if g.is_sparse:
+                g = g.coalesce()._values()
+            key = (g.device, g.dtype)
+            groups.setdefault(key, []).append(g)
+            group_pos.setdefault(key, []).append(i)
+        pieces: List[torch.Tensor] = []
+        order: List[int] = []
+        first_device: Optional[torch.device] = None
+        for key, glist in groups.items():
+            device, dtype = key
+            if dtype in (torch.float16, torch.bfloat16):
+                norms = torch._foreach_norm(glist, 2, dtype=torch.float32)
+            else:
+                norms = torch._foreach_norm(glist, 2)
+            vec = torch.stack(norms).to(torch.float64)
+            if first_device is None:
+                first_device = device
+            pieces.append(vec if device == first_device else vec.to(first_device))
+            order.extend(group_pos[key])
+        loss_val: Optional[float] = None
+        with_loss = isinstance(loss, torch.Tensor)
+        if with_loss:
+            lt = loss.detach().double().mean().reshape(1)
+            pieces.append(lt if first_device is None else lt.to(first_device))
+        elif loss is not None:
+            loss_val = float(loss)
+        n_params = self.index.n_params
+        param_norms = [0.0] * n_params
+        param_present = [False] * n_params
+        if pieces:
+            # The one device->host transfer (a sync on accelerators) of the step.
+            host = torch.cat(pieces).tolist()
+            if with_loss:
+                loss_val = host.pop()
+            for pos, v in zip(order, host):
+                param_norms[pos] = v
+                param_present[pos] = True
+        return self._finish(param_norms, param_present, loss_val)
+
+
+def nonfinite_layers(stats: GradStats, index: ParamIndex) -> List[Tuple[str, str]]:
+    """Layers whose gradient norm is NaN or Inf, in model order, with ``"nan"`` or ``"inf"``."""
+    out = []
+    for i, v in enumerate(stats.layer_norms):
+        if not math.isfinite(v) and stats.is_present(i):
+            out.append((index.layer_names[i], "nan" if math.isnan(v) else "inf"))
+    return out

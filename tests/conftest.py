@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny GPT on a Markov language, trained with a real AdamW."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional
+
+import pytest
+import torch
+
+from stabilityguard import GuardedOptimizer
+from stabilityguard.testing import MarkovData, TinyGPT
+
+VOCAB, SEQ, BATCH = 32, 16, 8
+
+
+def make_model(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(vocab_size=VOCAB, block_size=SEQ, d_model=32, n_layer=2, n_head=2)
+
+
+class Run:
+    """A tiny GPT, its data and a guarded AdamW, with a loop that injects faults at given steps."""
+
+    def __init__(self, tmp_path, seed: int = 0, accum: int = 1, schedule: Optional[Callable] = None, **guard_kw):
+        self.model = make_model(seed)
+        self.data = MarkovData(vocab_size=VOCAB, seed=seed)
+        self.base = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        guard_kw.setdefault("log_dir", tmp_path / "sg_logs")
+        guard_kw.setdefault("verbose", False)
+        self.opt = GuardedOptimizer(self.base, self.model, **guard_kw)
+        self.sched = schedule(self.opt) if schedule else None
+        self.accum = accum
+        self.losses = []
+
+    def backward(self) -> torch.Tensor:
+        total = 0.0
+        for _ in range(self.accum):
+            x, y = self.data.batch(BATCH, SEQ)
+            loss = self.model.loss(x, y) / self.accum
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+    def train(self, steps: int, faults: Optional[Dict[int, Callable]] = None, before_step: Optional[Callable] = None):
+        faults = faults or {}
+        for _ in range(steps):
+            step = self.opt.guard_step
+            loss = self.backward()
+            if step in faults:
+                faults[step](self.model)
+            if before_step is not None:
+                before_step(step)
+            self.opt.step(loss=loss)
+            self.opt.zero_grad()
+            if self.sched is not None:
+                self.sched.step()
+            self.losses.append(float(loss))
+
+
+@pytest.fixture
+def run_factory(tmp_path):
+    runs = []
+
+    def factory(**kw) -> Run:
+        r = Run(tmp_path, **kw)
+        runs.append(r)
+        return r
+
+    yield factory
+    for r in runs:
+        r.opt.close()
+
+
+def warmup_cosine(total: int, warmup: int):
+    def make(opt):
+        def f(step):
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+        return torch.optim.lr_scheduler.LambdaLR(opt, f)
+
+    return make

@@ -1,0 +1,62 @@
+"""Invalid arguments fail at construction, naming the argument, the allowed values and the value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"spike_threshold": 0.5}, r"spike_threshold must be a finite number > 1; got 0.5"),
+        ({"spike_threshold": float("nan")}, r"spike_threshold must be .*got nan"),
+        ({"spike_threshold": "10"}, r"spike_threshold must be .*got '10'"),
+        ({"nan_action": "skp"}, r"nan_action must be one of 'skip', 'rollback', 'raise'; got 'skp'"),
+        ({"log_every": 0}, r"log_every must be an integer >= 1; got 0"),
+        ({"log_every": 2.5}, r"log_every must be an integer >= 1; got 2.5"),
+        ({"ema_alpha": 0.0}, r"ema_alpha must be a finite number > 0 and <= 1; got 0.0"),
+        ({"ema_alpha": 1.5}, r"ema_alpha must be .*got 1.5"),
+        ({"warmup_steps": -1}, r"warmup_steps must be an integer >= 0; got -1"),
+        ({"verbose": "yes"}, r"verbose must be True or False; got 'yes'"),
+        ({"level_shift_patience": 0}, r"level_shift_patience must be an integer >= 1; got 0"),
+        ({"rollback_interval": 0}, r"rollback_interval must be an integer >= 1; got 0"),
+        ({"snapshot_device": "gpu0"}, r"snapshot_device must be a device string .*got 'gpu0'"),
+        ({"log_dir": 3}, r"log_dir must be a path .*got 3"),
+        ({"run_id": ""}, r"run_id must be a non-empty string or None; got ''"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(kwargs, pattern):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=pattern):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
+    with pytest.raises(ValueError, match=pattern):  # ConfigError is a ValueError too
+        GuardConfig(**kwargs)
+
+
+def test_unknown_argument_is_a_type_error():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="spike_treshold"):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, spike_treshold=5.0)
+
+
+def test_bad_sink_is_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="sinks must be objects with an emit"):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sinks=[object()], log_dir=None)
+
+
+def test_defaults_match_the_design():
+    c = GuardConfig()
+    assert (c.spike_threshold, c.nan_action, c.log_every, str(c.log_dir), c.ema_alpha, c.warmup_steps, c.verbose) == (
+        10.0, "skip", 50, "./sg_logs", 0.01, 10, True)
+
+
+def test_config_object_is_used(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    cfg = GuardConfig(spike_threshold=3.0, log_dir=None, verbose=False, run_id="abc")
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config=cfg)
+    assert opt.config is cfg and opt.run_id == "abc"
+    assert cfg.to_dict()["spike_threshold"] == 3.0
