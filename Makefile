@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench sample-report clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e ".[report]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
@@ -25,7 +25,15 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	touch $@
 
 demo: $(VENV)/.installed-demo
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/quickstart.py --log-dir sg_logs
+	$(BIN)/stabilityguard report sg_logs -o sg_logs/report
+	@echo "post-mortem: sg_logs/report/postmortem.md"
+
+# Regenerates the sample post-mortem in reports/ from a fresh demo run.
+sample-report: $(VENV)/.installed-demo
+	rm -rf reports/demo-logs reports/quickstart
+	$(BIN)/python examples/quickstart.py --log-dir reports/demo-logs --run-id quickstart-sample --quiet
+	$(BIN)/stabilityguard report reports/demo-logs -o reports/quickstart
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest tests -q

@@ -26,6 +26,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--nan-step", type=int, default=220)
     parser.add_argument("--log-dir", default="./sg_logs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-id", default=None, help="fixed run id (default: generated)")
     parser.add_argument("--quiet", action="store_true", help="verbose=False: the guard prints nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -37,7 +38,7 @@ def main(argv=None) -> dict:
     base_opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     optimizer = GuardedOptimizer(base_opt, model,          # <- the one-line change
                                  spike_threshold=10.0, nan_action="skip", log_every=50,
-                                 log_dir=args.log_dir, verbose=not args.quiet)
+                                 log_dir=args.log_dir, verbose=not args.quiet, run_id=args.run_id)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30))
 
     for step in range(args.steps):

@@ -60,3 +60,12 @@ def test_config_object_is_used(tmp_path):
     opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config=cfg)
     assert opt.config is cfg and opt.run_id == "abc"
     assert cfg.to_dict()["spike_threshold"] == 3.0
+
+
+def test_missing_optional_package_names_the_extra():
+    from stabilityguard import MissingDependencyError
+    from stabilityguard._optional import require
+
+    with pytest.raises(MissingDependencyError, match=r"WandBBridge needs no_such_pkg: pip install 'stabilityguard\[wandb\]'"):
+        require("no_such_pkg.sub", extra="wandb", feature="WandBBridge")
+    assert require("json", extra="x", feature="y").dumps([]) == "[]"

@@ -1,0 +1,108 @@
+"""How fast the report module reads a big event log, and how much memory it needs.
+
+Writes a synthetic log of N step summaries and M spikes (each spike with the norms and baselines of
+L layers and their parameters, like the guard writes), then times: load_run, severity_table,
+layer_ranking, postmortem_markdown, and the plots. Peak memory is the process's maximum resident set
+size (it includes Python, numpy and pandas themselves: the baseline is printed too).
+
+Usage:
+  python bench/report_scale.py                       # 1,000,000 summaries, 10,000 spikes, 48 layers
+  python bench/report_scale.py --summaries 100000 --spikes 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def write_log(path: str, summaries: int, spikes: int, layers: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    names = [f"model.layers.{i}.mlp.down_proj" for i in range(layers)]
+    spike_steps = set(rng.sample(range(summaries), spikes))
+    rid = "scale-run"
+    head = f'{{"schema_version":"1.0","kind":"%s","run_id":"{rid}","step":%d,"time":%.3f,"rank":0,'
+    with open(path, "w") as f:
+        f.write(json.dumps({"schema_version": "1.0", "kind": "run_start", "run_id": rid, "step": 0, "time": 0.0,
+                            "rank": 0, "config": {"spike_threshold": 10.0, "log_every": 1}, "optimizer": "AdamW",
+                            "n_params": 2 * layers, "n_layers": layers, "layer_names": names}) + "\n")
+        spikes_done = 0
+        for step in range(summaries):
+            if step in spike_steps:
+                layer = names[rng.randrange(layers)]
+                ratio = 10 + rng.random() * 1000
+                norms = {n: rng.random() for n in names}
+                norms.update({n + ".weight": rng.random() for n in names})
+                norms[layer] = ratio
+                rec = {"layer": layer, "ratio": ratio, "grad_norm": ratio, "baseline": 1.0, "threshold": 10.0,
+                       "action": "skip", "loss": 2.0, "global_norm": ratio, "spike_layers": {layer: ratio},
+                       "layer_norms": norms, "ema_baselines": {n: 1.0 for n in norms}, "nan_layers": []}
+                f.write(head % ("spike", step, step * 0.1) + json.dumps(rec)[1:] + "\n")
+                spikes_done += 1
+            f.write(head % ("step_summary", step, step * 0.1)
+                    + '"global_norm":%.6f,"max_ratio":%.4f,"max_ratio_layer":"%s","loss":%.5f,"lr":0.001,'
+                      '"threshold":10.0,"steps":%d,"spikes":%d,"nonfinite":0,"skipped":%d,"rollbacks":0}\n'
+                    % (1 + rng.random(), 1 + rng.random(), names[step % layers], 2.0, step + 1, spikes_done,
+                       spikes_done))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--summaries", type=int, default=1_000_000)
+    ap.add_argument("--spikes", type=int, default=10_000)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    from stabilityguard.reports import layer_ranking, load_run, postmortem_markdown, severity_table
+
+    tmp = tempfile.mkdtemp(prefix="sg-scale-")
+    path = os.path.join(tmp, "events-scale-run.jsonl")
+    t0 = time.perf_counter()
+    write_log(path, args.summaries, args.spikes, args.layers)
+    size = os.path.getsize(path) / 1e6
+    base_rss = rss_mb()
+    timings = {"write (not part of the report)": time.perf_counter() - t0}
+    t = time.perf_counter()
+    run = load_run(tmp)
+    timings["load_run"] = time.perf_counter() - t
+    t = time.perf_counter()
+    severity_table(run)
+    layer_ranking(run)
+    timings["severity_table + layer_ranking"] = time.perf_counter() - t
+    t = time.perf_counter()
+    postmortem_markdown(run)
+    timings["postmortem_markdown"] = time.perf_counter() - t
+    if not args.no_plots:
+        from stabilityguard.reports.plots import heatmap_plot, timeline_plot
+
+        t = time.perf_counter()
+        timeline_plot(run, os.path.join(tmp, "timeline.png"))
+        heatmap_plot(run, os.path.join(tmp, "heatmap.png"))
+        timings["plots"] = time.perf_counter() - t
+    total = sum(v for k, v in timings.items() if not k.startswith("write"))
+    print(f"# report scale: {args.summaries:,} step summaries, {len(run.incidents):,} spikes, {args.layers} layers, "
+          f"log {size:.0f} MB")
+    print("| phase | seconds |")
+    print("|---|---:|")
+    for k, v in timings.items():
+        print(f"| {k} | {v:.2f} |")
+    print(f"| **report total** | **{total:.2f}** |")
+    print(f"peak RSS {rss_mb():.0f} MB (before loading: {base_rss:.0f} MB)")
+    assert len(run.steps) == args.summaries and len(run.incidents) == args.spikes
+    return {"timings": timings, "peak_rss_mb": rss_mb(), "log_mb": size}
+
+
+if __name__ == "__main__":
+    main()

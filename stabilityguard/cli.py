@@ -1,0 +1,174 @@
+"""Command line: ``stabilityguard report | compare | summary``.
+
+Exit codes: 0 success; 2 bad usage or a missing path; 3 no events found; 4 a log that cannot be read
+(newer schema); 5 an optional package is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from .errors import MissingDependencyError
+
+EXIT_USAGE, EXIT_EMPTY, EXIT_FORMAT, EXIT_MISSING_DEP = 2, 3, 4, 5
+
+
+def _load(path: str, run_id: Optional[str] = None):
+    from .reports import load_runs
+
+    p = Path(path)
+    if not p.exists():
+        raise _Exit(EXIT_USAGE, f"error: {path}: no such file or directory")
+    runs = load_runs(p)
+    if not runs:
+        raise _Exit(EXIT_EMPTY, f"error: {path}: no stabilityguard events found (events-*.jsonl or spike_step*.json)")
+    if run_id is not None:
+        if run_id not in runs:
+            raise _Exit(EXIT_EMPTY, f"error: run {run_id!r} not in {path}; runs: {', '.join(runs)}")
+        return runs[run_id], runs
+    return list(runs.values())[-1], runs
+
+
+class _Exit(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .reports import layer_ranking, postmortem_markdown, run_summary, severity_table, write_report
+
+    run, runs = _load(args.logdir, args.run)
+    out = Path(args.output) if args.output else Path(args.logdir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.format == "md":
+        paths = write_report(run, out, plots=not args.no_plots)
+        written = [paths["postmortem"]] + [p for k, p in paths.items() if k != "postmortem"]
+    elif args.format == "json":
+        data = {
+            "summary": run_summary(run),
+            "severity": json.loads(severity_table(run).to_json(orient="index")),
+            "layers": json.loads(layer_ranking(run).to_json(orient="index")),
+            "incidents": json.loads(run.incidents.drop(columns=["time"]).to_json(orient="records")),
+            "problems": [str(p) for p in run.problems],
+        }
+        path = out / "report.json"
+        path.write_text(json.dumps(data, indent=2, allow_nan=False), encoding="utf-8")
+        written = [path]
+    else:
+        written = []
+        for name, df in (("severity", severity_table(run)), ("layers", layer_ranking(run)),
+                         ("incidents", run.incidents)):
+            path = out / f"{name}.csv"
+            df.to_csv(path)
+            written.append(path)
+    others = [r for r in runs if r != run.run_id]
+    print(f"report of run {run.run_id}" + (f" (other runs here: {', '.join(others)}; pick one with --run)" if others else ""))
+    for p in written:
+        print(f"  {p}")
+    if args.format == "md" and args.print:
+        print()
+        print(postmortem_markdown(run))
+    return 0
+
+
+def _cmd_summary(args: argparse.Namespace) -> int:
+    from .reports import run_summary
+
+    run, _ = _load(args.logdir, args.run)
+    s = run_summary(run)
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    print(f"run {s['run_id']}: {s['steps']} steps")
+    print(f"total spikes        : {s['spikes']}")
+    print(f"NaN/Inf steps       : {s['nonfinite']}" + (f"  (layers: {', '.join(s['nonfinite_layers'][:5])})" if s['nonfinite_layers'] else ""))
+    print(f"skipped / rollbacks : {s['skipped']} / {s['rollbacks']}")
+    print(f"most problematic    : {s['top_layer'] or 'none'}")
+    print(f"final loss          : {s['final_loss'] if s['final_loss'] is not None else 'n/a'}")
+    if run.problems:
+        print(f"log problems        : {len(run.problems)} (first: {run.problems[0]})")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .reports import compare_table
+    from .reports.plots import compare_plot
+
+    if len(args.logdirs) < 2:
+        raise _Exit(EXIT_USAGE, "error: compare needs at least two log directories")
+    runs = {}
+    for d in args.logdirs:
+        run, _ = _load(d)
+        name = Path(d).name or d
+        runs[name if name not in runs else f"{name}-{run.run_id}"] = run
+    table = compare_table(runs)
+    print(table.to_markdown() if _has_tabulate() else table.to_string())
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out / "compare.csv")
+        if not args.no_plots:
+            compare_plot(runs, out / "compare.png")
+        print(f"written: {out / 'compare.csv'}" + ("" if args.no_plots else f", {out / 'compare.png'}"))
+    return 0
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="stabilityguard", description="Reports from stabilityguard event logs.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="post-mortem of a run (markdown + plots, or json/csv tables)")
+    r.add_argument("logdir")
+    r.add_argument("-o", "--output", help="output directory (default: LOGDIR/report)")
+    r.add_argument("--format", choices=["md", "json", "csv"], default="md")
+    r.add_argument("--run", help="run id (default: the latest run in LOGDIR)")
+    r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--print", action="store_true", help="also print the markdown")
+    r.set_defaults(func=_cmd_report)
+    s = sub.add_parser("summary", help="counts: spikes, most problematic layer, NaN/Inf")
+    s.add_argument("logdir")
+    s.add_argument("--run")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_summary)
+    c = sub.add_parser("compare", help="side-by-side table (and overlay plot) of two or more runs")
+    c.add_argument("logdirs", nargs="+")
+    c.add_argument("-o", "--output")
+    c.add_argument("--no-plots", action="store_true")
+    c.set_defaults(func=_cmd_compare)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``stabilityguard`` command."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    from .reports.load import LogFormatError
+
+    try:
+        return int(args.func(args))
+    except _Exit as exc:
+        print(str(exc), file=sys.stderr)
+        return exc.code
+    except LogFormatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FORMAT
+    except MissingDependencyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_MISSING_DEP
+
+
+if __name__ == "__main__":
+    sys.exit(main())

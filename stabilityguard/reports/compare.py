@@ -1,0 +1,39 @@
+"""Side-by-side comparison of two or more runs."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from .load import RunLog, _pd
+from .tables import layer_ranking, run_summary
+
+
+def compare_table(runs: Dict[str, RunLog]) -> Any:
+    """One row per run: steps, incidents per class, skips, rollbacks, worst layers, final loss.
+
+    Args:
+        runs: Display name -> loaded run (e.g. ``{"guarded": a, "unguarded": b}``).
+
+    Example:
+        >>> compare_table({"a": load_run("logs/a"), "b": load_run("logs/b")})  # doctest: +SKIP
+    """
+    pd = _pd()
+    rows = []
+    for name, run in runs.items():
+        s = run_summary(run)
+        sev = run.incidents["severity"].value_counts()
+        worst = layer_ranking(run).head(3).index.tolist()
+        rows.append({
+            "run": name,
+            "run_id": run.run_id,
+            "steps": s["steps"],
+            "critical": int(sev.get("critical", 0)),
+            "severe": int(sev.get("severe", 0)),
+            "moderate": int(sev.get("moderate", 0)),
+            "nonfinite": s["nonfinite"],
+            "skipped": s["skipped"],
+            "rollbacks": s["rollbacks"],
+            "worst_layers": ", ".join(map(str, worst)),
+            "final_loss": s["final_loss"],
+        })
+    return pd.DataFrame(rows).set_index("run")
