@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench sample-report clean
+.PHONY: demo test test-fast bench sample-report clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install -q -e ".[report]"
+	$(BIN)/python -m pip install -q -e ".[report,wandb,mlflow]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
@@ -37,6 +37,9 @@ sample-report: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest tests -q
+
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest tests -q -m "not slow"
 
 bench: $(VENV)/.installed-demo
 	$(BIN)/python bench/overhead.py

@@ -3,20 +3,47 @@
 Run it with ``make demo`` (or ``python examples/quickstart.py``). It trains a small GPT on a synthetic
 Markov-chain language for 300 steps. At step 150 one layer's gradient is multiplied by 1000 and at
 step 220 a NaN is written into another layer's gradient. The guard prints its panel, skips both steps,
-training continues, and ``sg_logs/`` holds the JSONL event log and one ``spike_step{N}.json`` per
-incident.
+training continues, and the log directory holds:
+
+* ``events-<run>.jsonl`` (the event log) and one ``spike_step{N}.json`` per incident;
+* ``mlflow.db``: an MLflow store (sqlite) with the run's ``sg/`` metrics, params and artifacts, if mlflow
+  is installed (``mlflow ui --backend-store-uri sqlite:///sg_logs/mlflow.db``);
+* ``wandb/``: an offline W&B run, if wandb is installed (``wandb sync sg_logs/wandb/offline-run-*``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
+import os
+from pathlib import Path
 
 import torch
 
 from stabilityguard import GuardedOptimizer
 from stabilityguard.testing import MarkovData, TinyGPT, poison_grad, scale_grad
+
+
+def tracker_sinks(names, log_dir: Path, quiet: bool) -> list:
+    """MLflow on a local sqlite file and W&B offline, for the trackers that are installed."""
+    sinks = []
+    if "mlflow" in names and importlib.util.find_spec("mlflow"):
+        from stabilityguard.integrations.mlflow import MLflowBridge
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        sinks.append(MLflowBridge(f"sqlite:///{log_dir.resolve() / 'mlflow.db'}", experiment_name="stabilityguard-demo",
+                                  artifact_location=(log_dir.resolve() / "mlartifacts").as_uri(),
+                                  run_name="quickstart", close_timeout=120.0))
+    if "wandb" in names and importlib.util.find_spec("wandb"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_SILENT", "true")
+        from stabilityguard.integrations.wandb import WandBBridge
+
+        sinks.append(WandBBridge(project="stabilityguard-demo", name="quickstart", dir=str(log_dir),
+                                 settings=__import__("wandb").Settings(console="off", quiet=quiet)))
+    return sinks
 
 
 def main(argv=None) -> dict:
@@ -27,18 +54,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--log-dir", default="./sg_logs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-id", default=None, help="fixed run id (default: generated)")
+    parser.add_argument("--trackers", default="mlflow,wandb",
+                        help="comma-separated: mlflow (local sqlite), wandb (offline); '' for none")
     parser.add_argument("--quiet", action="store_true", help="verbose=False: the guard prints nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
+    log_dir = Path(args.log_dir)
 
     data = MarkovData(vocab_size=64, seed=args.seed)
     model = TinyGPT(vocab_size=64, block_size=32, d_model=64, n_layer=2, n_head=4)
     base_opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     optimizer = GuardedOptimizer(base_opt, model,          # <- the one-line change
                                  spike_threshold=10.0, nan_action="skip", log_every=50,
-                                 log_dir=args.log_dir, verbose=not args.quiet, run_id=args.run_id)
+                                 log_dir=log_dir, verbose=not args.quiet, run_id=args.run_id,
+                                 sinks=tracker_sinks(args.trackers.split(","), log_dir, args.quiet))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30))
 
     for step in range(args.steps):
@@ -65,16 +96,19 @@ def main(argv=None) -> dict:
         "final_loss": c.last_loss,
         "loss_floor": data.entropy_rate(),
         "weights_finite": finite,
-        "log_dir": args.log_dir,
+        "log_dir": str(log_dir),
     }
-    logging.getLogger("quickstart").info("result: %s", result)
     if not args.quiet:
         print(
             f"\nquickstart: {c.steps} steps, {c.spikes} spike(s) and {c.nonfinite} NaN/Inf step(s) caught and "
             f"skipped; weights finite: {finite}; final loss {c.last_loss:.3f} "
             f"(the language's floor is {data.entropy_rate():.3f}, log(vocab) {math.log(64):.3f}).\n"
-            f"Event log and spike reports: {args.log_dir}/"
+            f"Event log and spike reports: {log_dir}/"
         )
+        if (log_dir / "mlflow.db").exists():
+            print(f"MLflow run: mlflow ui --backend-store-uri sqlite:///{(log_dir / 'mlflow.db').resolve()}")
+        if (log_dir / "wandb").exists():
+            print(f"W&B offline run: wandb sync {log_dir / 'wandb'}/offline-run-*")
     return result
 
 

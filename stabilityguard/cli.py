@@ -1,7 +1,7 @@
-"""Command line: ``stabilityguard report | compare | summary``.
+"""Command line: ``stabilityguard report | compare | summary | sync``.
 
 Exit codes: 0 success; 2 bad usage or a missing path; 3 no events found; 4 a log that cannot be read
-(newer schema); 5 an optional package is missing.
+(newer schema); 5 an optional package is missing; 1 sync could not deliver everything.
 """
 
 from __future__ import annotations
@@ -119,6 +119,31 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sync(args: argparse.Namespace) -> int:
+    from .integrations.sync import sync
+
+    p = Path(args.logdir)
+    if not p.is_dir():
+        raise _Exit(EXIT_USAGE, f"error: {args.logdir}: no such directory")
+    kwargs = {}
+    if args.to == "mlflow":
+        if args.tracking_uri:
+            kwargs["tracking_uri"] = args.tracking_uri
+        if args.experiment:
+            kwargs["experiment_name"] = args.experiment
+    else:
+        if args.project:
+            kwargs["project"] = args.project
+        if args.wandb_dir:
+            kwargs["dir"] = args.wandb_dir
+    try:
+        result = sync(p, args.to, run_id=args.run, **kwargs)
+    except LookupError as exc:
+        raise _Exit(EXIT_EMPTY, f"error: {exc}") from None
+    print(json.dumps(result))
+    return 1 if result.get("failed") else 0
+
+
 def _has_tabulate() -> bool:
     try:
         import tabulate  # noqa: F401
@@ -148,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output")
     c.add_argument("--no-plots", action="store_true")
     c.set_defaults(func=_cmd_compare)
+    y = sub.add_parser("sync", help="replay a JSONL event log into MLflow or W&B (idempotent)")
+    y.add_argument("logdir")
+    y.add_argument("--to", choices=["mlflow", "wandb"], required=True)
+    y.add_argument("--run", help="guard run id (default: the latest run in LOGDIR)")
+    y.add_argument("--tracking-uri", help="MLflow tracking URI")
+    y.add_argument("--experiment", help="MLflow experiment name")
+    y.add_argument("--project", help="W&B project")
+    y.add_argument("--wandb-dir", help="W&B directory (with WANDB_MODE=offline: where the offline run goes)")
+    y.set_defaults(func=_cmd_sync)
     return ap
 
 

@@ -67,6 +67,14 @@ class GuardConfig:
     parameters for Adam) in memory on this device. Only one snapshot is kept.
     """
 
+    clip_grad_norm: Optional[float] = None
+    """Clip accepted steps to this total gradient norm after detection (``None``: no clipping).
+
+    Detection always sees the unclipped norms; the clip reuses the norm the guard already measured, so
+    it costs one ``_foreach_mul_`` and no second norm pass. Same semantics as
+    ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)``.
+    """
+
     run_id: Optional[str] = None
     """Identifier written in every event; generated from the time and a random suffix when ``None``."""
 
@@ -102,6 +110,8 @@ class GuardConfig:
                 f"snapshot_device must be a device string such as 'cpu' or 'cuda:0'; "
                 f"got {self.snapshot_device!r}"
             ) from exc
+        if self.clip_grad_norm is not None:
+            _check_number("clip_grad_norm", self.clip_grad_norm, low=0.0, low_inclusive=False)
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id):
             raise ConfigError(f"run_id must be a non-empty string or None; got {self.run_id!r}")
 

@@ -109,6 +109,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         rollback_interval: Accepted steps between rollback snapshots.
         snapshot_device: Where rollback snapshots live; one snapshot costs the model's parameters and
             buffers plus the optimizer state (~3x the parameters for Adam) in memory there.
+        clip_grad_norm: Clip accepted steps to this total norm (like ``clip_grad_norm_``) after
+            detection, reusing the measured norm (no second pass); ``None`` = no clipping.
         run_id: Run identifier written in every event (generated when ``None``).
         sinks: Extra sinks (e.g. ``WandBBridge()``), added after the built-in ones.
         config: A complete :class:`GuardConfig`; when given, it is used instead of the individual
@@ -142,6 +144,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         level_shift_patience: int = 20,
         rollback_interval: int = 100,
         snapshot_device: str = "cpu",
+        clip_grad_norm: Optional[float] = None,
         run_id: Optional[str] = None,
         sinks: Optional[Iterable[Sink]] = None,
         config: Optional[GuardConfig] = None,
@@ -166,6 +169,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 level_shift_patience=level_shift_patience,
                 rollback_interval=rollback_interval,
                 snapshot_device=snapshot_device,
+                clip_grad_norm=clip_grad_norm,
                 run_id=run_id,
             )
         elif not isinstance(config, GuardConfig):
@@ -190,6 +194,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.counters = GuardCounters()
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
+        self._measured: Optional[GradStats] = None
         self._window_max = (float("-inf"), -1)
         self._build_index()
 
@@ -293,6 +298,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self.counters.steps
 
     @property
+    def last_max_ratio(self) -> Optional[float]:
+        """Highest layer ratio seen since the last summary (``None`` before any layer warmed up)."""
+        ratio, idx = self._window_max
+        return float(ratio) if idx >= 0 else None
+
+    @property
     def param_index(self) -> ParamIndex:
         """The watched parameters, their names and layers."""
         return self._index
@@ -342,6 +353,26 @@ class GuardedOptimizer(torch.optim.Optimizer):
             post_hook(self, args, kwargs)
         return out
 
+    def measure(self, loss: Any = None) -> GradStats:
+        """Measure the gradients now; the next :meth:`step` decides on these numbers.
+
+        For frameworks that transform gradients between backward and ``step()`` (gradient clipping in
+        Lightning, say): call this before the transformation so detection sees the raw gradients. The
+        measurement is the same single transfer ``step()`` would make; ``step()`` then does not measure
+        again.
+
+        Example:
+            >>> loss.backward()  # doctest: +SKIP
+            >>> optimizer.measure(loss)  # doctest: +SKIP
+            >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
+            >>> optimizer.step()  # detection on pre-clip norms  # doctest: +SKIP
+        """
+        if loss is None:
+            loss = self._pending_loss
+        self._pending_loss = None
+        self._measured = self._collector.collect(loss)
+        return self._measured
+
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if closure is not None:
             with torch.enable_grad():
@@ -350,7 +381,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             loss = self._pending_loss
         self._pending_loss = None
         step = self.counters.steps
-        stats = self._collector.collect(loss)
+        stats, self._measured = self._measured, None
+        if stats is None:
+            stats = self._collector.collect(loss)
         self.last_stats = stats
         error: Optional[GradientSpikeError] = None
         try:
@@ -368,7 +401,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise error
         return loss
 
-    def _accept(self, step: int) -> None:
+    def _accept(self, step: int, stats: GradStats) -> None:
+        max_norm = self.config.clip_grad_norm
+        if max_norm is not None:
+            # Clip with the norm already measured: no second pass over the gradients, no sync.
+            coef = max_norm / (stats.global_norm + 1e-6)
+            if coef < 1.0:
+                grads = [p.grad for p in self._index.params if p.grad is not None]
+                torch._foreach_mul_(grads, coef)
         self.base_optimizer.step()
         self.counters.accepted += 1
         if self._rollback is not None:
@@ -382,7 +422,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._window_max = (decision.max_ratio, decision.max_index)
         if decision.accepted and not decision.shifted:  # the common, fast path
             det.commit(decision, values, present)
-            self._accept(step)
+            self._accept(step, stats)
             return None
         before = det.baselines()
         det.commit(decision, values, present)
@@ -393,7 +433,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 new_baseline=json_float(values[i]), consecutive=self.config.level_shift_patience,
             ))
         if decision.accepted:
-            self._accept(step)
+            self._accept(step, stats)
             return None
         return self._act_on_spike(step, stats, decision, before)
 

@@ -207,3 +207,59 @@ def identical(a: dict, b: dict) -> bool:
             elif x != y:
                 return False
     return True
+
+
+def train_tiny_gpt(
+    optimizer_factory,
+    *,
+    steps: int = 300,
+    faults: Optional[dict] = None,
+    seed: int = 0,
+    on_step=None,
+) -> dict:
+    """Train the demo's tiny GPT on a Markov language with injected faults; used by examples.
+
+    Args:
+        optimizer_factory: ``f(model) -> optimizer`` (plain or guarded).
+        steps: Optimizer steps.
+        faults: ``{step: fn(model)}`` applied to the gradients after backward at that step.
+        seed: Seed of model and data.
+        on_step: ``f(step, loss, grad_norm)`` called after each step (for logging to a tracker).
+
+    Returns:
+        ``{"model", "optimizer", "losses", "final_loss", "weights_finite", "loss_floor"}``.
+    """
+    torch.manual_seed(seed)
+    data = MarkovData(vocab_size=64, seed=seed)
+    model = TinyGPT(vocab_size=64, block_size=32, d_model=64, n_layer=2, n_head=4)
+    optimizer = optimizer_factory(model)
+    faults = faults or {}
+    losses = []
+    for step in range(steps):
+        x, y = data.batch(16, 32)
+        loss = model.loss(x, y)
+        loss.backward()
+        if step in faults:
+            faults[step](model)
+        grad_norm = None
+        if on_step is not None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            grad_norm = float(torch.stack(torch._foreach_norm(grads)).norm()) if grads else 0.0
+        if hasattr(optimizer, "observe_loss"):
+            optimizer.observe_loss(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1], grad_norm)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return {"model": model, "optimizer": optimizer, "losses": losses, "final_loss": losses[-1],
+            "weights_finite": finite, "loss_floor": data.entropy_rate()}
+
+
+def demo_faults() -> dict:
+    """The demo's faults: x1000 gradient spike in ``blocks.1.mlp.proj`` at step 150, NaN at step 220."""
+    return {
+        150: lambda m: scale_grad(m.blocks[1].mlp.proj, 1000.0),
+        220: lambda m: poison_grad(m.blocks[0].attn.qkv.weight),
+    }

@@ -82,3 +82,14 @@ def warmup_cosine(total: int, warmup: int):
         return torch.optim.lr_scheduler.LambdaLR(opt, f)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real MLflow tracking server (sqlite) for the whole test session."""
+    pytest.importorskip("mlflow")
+    from .mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield server
+    server.stop()

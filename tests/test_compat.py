@@ -177,3 +177,41 @@ def test_wrapping_twice_and_bad_types_are_refused():
         GuardedOptimizer([1], model)
     with pytest.raises(ValueError, match="model must be a torch.nn.Module or None; got str"):
         GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "model")
+
+
+def test_measure_before_clipping_detects_on_raw_norms(run_factory):
+    """A framework that clips between backward and step: measure() first, detection stays on raw norms."""
+    run = run_factory()
+    run.train(20)
+    x, y = run.data.batch(8, 16)
+    loss = run.model.loss(x, y)
+    loss.backward()
+    scale_grad(run.model.head, 1000.0)
+    run.opt.measure(loss)
+    torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)  # hides the spike as a norm of 1.0
+    run.opt.step()
+    assert run.opt.counters.spikes == 1 and run.opt.last_stats.global_norm > 10
+
+
+def test_clip_grad_norm_option_matches_torch_and_detects_pre_clip(tmp_path):
+    torch.manual_seed(0)
+    a, b = make_model(0), make_model(0)
+    data = MarkovData(32, seed=0)
+    opt_a = GuardedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), a, log_dir=None, verbose=False,
+                             clip_grad_norm=0.5, warmup_steps=3)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    for step in range(12):
+        x, y = data.batch(8, 16)
+        a.loss(x, y).backward()
+        b.loss(x, y).backward()
+        if step == 10:
+            scale_grad(a.head, 1000.0)
+        opt_a.step()
+        if step != 10:
+            torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+            opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    assert opt_a.counters.spikes == 1
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6)

@@ -26,6 +26,7 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
         ({"snapshot_device": "gpu0"}, r"snapshot_device must be a device string .*got 'gpu0'"),
         ({"log_dir": 3}, r"log_dir must be a path .*got 3"),
         ({"run_id": ""}, r"run_id must be a non-empty string or None; got ''"),
+        ({"clip_grad_norm": 0.0}, r"clip_grad_norm must be a finite number > 0; got 0.0"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, pattern):

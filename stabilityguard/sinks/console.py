@@ -20,6 +20,8 @@ def _fmt(x: Optional[float]) -> str:
     ax = abs(x)
     if ax != 0 and (ax >= 1e6 or ax < 1e-3):
         return f"{x:.3g}"
+    if ax >= 1e4:
+        return f"{x:.0f}"
     return f"{x:.4g}" if ax < 100 else f"{x:.1f}"
 
 
