@@ -13,6 +13,9 @@ from .errors import ConfigError
 #: The values ``nan_action`` accepts.
 NAN_ACTIONS = ("skip", "rollback", "raise")
 
+#: The values ``log_ranks`` accepts.
+LOG_RANKS = ("zero", "all")
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -75,6 +78,14 @@ class GuardConfig:
     ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)``.
     """
 
+    sync_ranks: bool = True
+    """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
+    same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
+
+    log_ranks: str = "zero"
+    """Which ranks write the console, JSONL, spike-report and extra sinks: ``"zero"`` (rank 0 only) or
+    ``"all"`` (every rank, with per-rank file names ``events-{run_id}.rank{r}.jsonl``)."""
+
     run_id: Optional[str] = None
     """Identifier written in every event; generated from the time and a random suffix when ``None``."""
 
@@ -112,6 +123,12 @@ class GuardConfig:
             ) from exc
         if self.clip_grad_norm is not None:
             _check_number("clip_grad_norm", self.clip_grad_norm, low=0.0, low_inclusive=False)
+        if not isinstance(self.sync_ranks, bool):
+            raise ConfigError(f"sync_ranks must be True or False; got {self.sync_ranks!r}")
+        if self.log_ranks not in LOG_RANKS:
+            raise ConfigError(
+                f"log_ranks must be one of {', '.join(repr(a) for a in LOG_RANKS)}; got {self.log_ranks!r}"
+            )
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id):
             raise ConfigError(f"run_id must be a non-empty string or None; got {self.run_id!r}")
 

@@ -56,6 +56,16 @@ def _dist_rank() -> int:
     return 0
 
 
+def _shared_run_id() -> str:
+    """A new run id; under torch.distributed every rank gets rank 0's (a collective at construction)."""
+    run_id = new_run_id()
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        box = [run_id]
+        torch.distributed.broadcast_object_list(box, src=0)
+        run_id = box[0]
+    return run_id
+
+
 @dataclass
 class GuardCounters:
     """Totals of a run (``steps`` is the number of ``step()`` calls so far)."""
@@ -111,7 +121,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
             buffers plus the optimizer state (~3x the parameters for Adam) in memory there.
         clip_grad_norm: Clip accepted steps to this total norm (like ``clip_grad_norm_``) after
             detection, reusing the measured norm (no second pass); ``None`` = no clipping.
-        run_id: Run identifier written in every event (generated when ``None``).
+        sync_ranks: Under ``torch.distributed``: one small all-reduce per step so all ranks decide alike.
+        log_ranks: ``"zero"`` (only rank 0 writes console/JSONL/reports/extra sinks) or ``"all"``.
+        run_id: Run identifier written in every event (generated when ``None``; under
+            ``torch.distributed`` rank 0's id is broadcast so all ranks share it).
         sinks: Extra sinks (e.g. ``WandBBridge()``), added after the built-in ones.
         config: A complete :class:`GuardConfig`; when given, it is used instead of the individual
             settings above.
@@ -145,6 +158,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         rollback_interval: int = 100,
         snapshot_device: str = "cpu",
         clip_grad_norm: Optional[float] = None,
+        sync_ranks: bool = True,
+        log_ranks: str = "zero",
         run_id: Optional[str] = None,
         sinks: Optional[Iterable[Sink]] = None,
         config: Optional[GuardConfig] = None,
@@ -170,6 +185,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 rollback_interval=rollback_interval,
                 snapshot_device=snapshot_device,
                 clip_grad_norm=clip_grad_norm,
+                sync_ranks=sync_ranks,
+                log_ranks=log_ranks,
                 run_id=run_id,
             )
         elif not isinstance(config, GuardConfig):
@@ -189,8 +206,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.config = config
         self._share_base()
 
-        self.run_id = config.run_id or new_run_id()
         self.rank = _dist_rank()
+        self.run_id = config.run_id or _shared_run_id()
         self.counters = GuardCounters()
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
@@ -199,11 +216,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._build_index()
 
         built_in: List[Sink] = []
-        if config.log_dir is not None:
-            built_in += [JsonlSink(config.log_dir), SpikeReportSink(config.log_dir)]
-        if config.verbose:
+        writes = self.rank == 0 or config.log_ranks == "all"
+        if writes and config.log_dir is not None:
+            built_in += [JsonlSink(config.log_dir, per_rank=config.log_ranks == "all"), SpikeReportSink(config.log_dir)]
+        if writes and config.verbose:
             built_in.append(ConsoleSink(report_dir=config.log_dir))
-        self.dispatcher = SinkDispatcher(built_in + extra_sinks)
+        if not writes and extra_sinks:
+            logger.debug("rank %d: %d extra sink(s) not attached (log_ranks='zero')", self.rank, len(extra_sinks))
+        self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
 
         self._rollback: Optional[RollbackManager] = None
         if config.nan_action == Action.ROLLBACK.value:
@@ -244,7 +264,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         group = list(range(n_l)) + idx.layer_of_param.tolist()
         cfg = self.config
         self._index = idx
-        self._collector = GradStatsCollector(idx)
+        self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks)
         self._names = list(idx.layer_names) + list(idx.param_names)
         self._n_layers = n_l
         self._detector = SpikeDetector(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -176,8 +176,13 @@ class GradStatsCollector:
         2.0
     """
 
-    def __init__(self, index: ParamIndex) -> None:
+    def __init__(self, index: ParamIndex, *, process_group: Any = None, sync_ranks: bool = True) -> None:
         self.index = index
+        self.process_group = process_group
+        self._world = 1
+        if sync_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._world = torch.distributed.get_world_size(process_group)
+        self._weights: Optional[torch.Tensor] = None  # per-entry weights of the cross-rank sum
         self._n_layers = index.n_layers
         self._members: List[List[int]] = [[] for _ in range(index.n_layers)]
         for i, layer in enumerate(index.layer_of_param.tolist()):
@@ -194,6 +199,8 @@ class GradStatsCollector:
     def collect(self, loss: LossLike = None) -> GradStats:
         """Measure the current ``.grad`` of every watched parameter (and the loss, if given)."""
         grads = [p.grad for p in self.index.params]
+        if self._world > 1:
+            return self._collect_distributed(grads, loss)
         norms = None
         if self._uniform:
             try:
@@ -278,6 +285,69 @@ class GradStatsCollector:
                 param_norms[pos] = v
                 param_present[pos] = True
         return self._finish(param_norms, param_present, loss_val)
+
+
+    @torch.no_grad()
+    def _collect_distributed(self, grads: List[Optional[torch.Tensor]], loss: LossLike) -> GradStats:
+        """Every rank gets the same statistics, from one small all-reduce (SUM) per step.
+
+        Entry ``i`` of the reduced vector is, summed over ranks: the squared norm of the local shard for
+        a sharded (FSDP2/DTensor ``Shard``) gradient, which adds up to the full squared norm; the squared
+        norm divided by the world size for a replicated gradient (DDP), which gives the mean square, so
+        a fault on one rank only (a NaN, a spike) reaches every rank's decision; and the loss divided by
+        the world size (the mean loss). NaN/Inf propagate through the sum. Absent gradients count as
+        zero, so all ranks reduce vectors of the same layout.
+        """
+        n = self.index.n_params
+        params = self.index.params
+        if self._weights is None:
+            self._weights = self._entry_weights(grads)
+        device = self._weights.device
+        vec = torch.zeros(n + 1, dtype=torch.float32, device=device)
+        groups: Dict[torch.dtype, List[int]] = {}
+        local: List[Optional[torch.Tensor]] = []
+        for i, g in enumerate(grads):
+            if g is not None and hasattr(g, "to_local"):
+                g = g.to_local()
+            if g is not None and g.is_sparse:
+                g = g.coalesce()._values()
+            local.append(g)
+            if g is not None:
+                groups.setdefault(g.dtype, []).append(i)
+        for dtype, idx in groups.items():
+            glist = [local[i] for i in idx]
+            if dtype in (torch.float16, torch.bfloat16):
+                norms = torch._foreach_norm(glist, 2, dtype=torch.float32)
+            else:
+                norms = torch._foreach_norm(glist, 2)
+            vec.index_copy_(0, torch.tensor(idx, device=device), torch.stack(norms).to(device, torch.float32))
+        with_loss = isinstance(loss, torch.Tensor)
+        loss_val: Optional[float] = None
+        if with_loss:
+            vec[n] = loss.detach().float().mean().to(device)
+        elif loss is not None:
+            loss_val = float(loss)  # a Python float is this rank's own loss
+        red = vec * vec * self._weights
+        red[n] = vec[n] / self._world
+        torch.distributed.all_reduce(red, group=self.process_group)  # the one collective of the step
+        red[:n].sqrt_()
+        host = red.tolist()  # the one device->host transfer of the step
+        if with_loss:
+            loss_val = host[n]
+        norms_host = host[:n]
+        present = [v != 0.0 for v in norms_host]  # NaN != 0: a non-finite gradient is present
+        return self._finish(norms_host, present, loss_val)
+
+    def _entry_weights(self, grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
+        device = next((g.device for g in grads if g is not None), self.index.params[0].device)
+        w = []
+        for p, g in zip(self.index.params, grads):
+            t = g if g is not None else p
+            placements = getattr(t, "placements", None)
+            sharded = placements is not None and any(type(pl).__name__ in ("Shard", "_StridedShard", "Partial")
+                                                     for pl in placements)
+            w.append(1.0 if sharded else 1.0 / self._world)
+        return torch.tensor(w + [1.0], dtype=torch.float32, device=device)
 
 
 def nonfinite_layers(stats: GradStats, index: ParamIndex) -> List[Tuple[str, str]]:

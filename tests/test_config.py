@@ -70,3 +70,10 @@ def test_missing_optional_package_names_the_extra():
     with pytest.raises(MissingDependencyError, match=r"WandBBridge needs no_such_pkg: pip install 'stabilityguard\[wandb\]'"):
         require("no_such_pkg.sub", extra="wandb", feature="WandBBridge")
     assert require("json", extra="x", feature="y").dumps([]) == "[]"
+
+
+def test_distributed_options_are_validated():
+    with pytest.raises(ConfigError, match=r"log_ranks must be one of 'zero', 'all'; got 'rank0'"):
+        GuardConfig(log_ranks="rank0")
+    with pytest.raises(ConfigError, match=r"sync_ranks must be True or False; got 1"):
+        GuardConfig(sync_ranks=1)

@@ -60,6 +60,8 @@ class RunLog:
         layer_ratios: For every incident, every layer's norm / baseline (long format: step, layer,
             ratio), the data of the layer x step heatmap.
         problems: Lines that could not be read in the files loaded with this run.
+        ranks: Ranks whose records were read (per-rank logs of one run are merged: incidents once per
+            step, summaries from the lowest rank).
     """
 
     run_id: str
@@ -72,6 +74,7 @@ class RunLog:
     resets: Any
     layer_ratios: Any
     problems: List[Problem] = field(default_factory=list)
+    ranks: List[int] = field(default_factory=list)
 
     @property
     def config(self) -> Dict[str, Any]:
@@ -108,10 +111,25 @@ class _RunBuilder:
         self.ratio_value = array("d")
         self.actions: List[Dict[str, Any]] = []
         self.resets: List[Dict[str, Any]] = []
+        self.ranks: set = set()
+        self.summary_rank: Optional[int] = None
+
+    def _reset_summaries(self) -> None:
+        for a in list(self.floats.values()) + list(self.ints.values()) + [self.layer_codes]:
+            del a[:]
 
     def add(self, rec: Dict[str, Any]) -> None:
         kind = rec.get("kind")
+        rank = int(rec.get("rank") or 0)
+        self.ranks.add(rank)
         if kind == "step_summary":
+            # Per-rank logs of one run hold the same decisions: summaries are taken from the lowest rank.
+            if self.summary_rank is None or rank < self.summary_rank:
+                if self.summary_rank is not None:
+                    self._reset_summaries()
+                self.summary_rank = rank
+            elif rank != self.summary_rank:
+                return
             for k, append in self._appenders:
                 v = rec.get(k)
                 append(_NAN if v is None else v) if k in self.floats else append(0 if v is None else int(v))
@@ -124,13 +142,17 @@ class _RunBuilder:
             self.incident_steps.add(step)
             self._add_incident(step, kind, rec)
         elif kind == "action":
-            self.actions.append(rec)
+            if not any(a["step"] == rec.get("step") for a in self.actions[-4:]):  # once per step across ranks
+                self.actions.append(rec)
         elif kind == "baseline_reset":
-            self.resets.append(rec)
+            if not any((r["step"], r["layer"]) == (rec.get("step"), rec.get("layer")) for r in self.resets[-8:]):
+                self.resets.append(rec)
         elif kind == "run_start":
-            self.start = rec
+            if not self.start or rank < int(self.start.get("rank") or 0):
+                self.start = rec
         elif kind == "run_end":
-            self.end = rec
+            if not self.end or rank < int(self.end.get("rank") or 0):
+                self.end = rec
 
     def _code(self, name: str) -> int:
         code = self.layer_names.get(name)
@@ -211,7 +233,7 @@ class _RunBuilder:
             "ratio": col(self.ratio_value, np.float64),
         })
         return RunLog(self.run_id, self.start, self.end, steps, incidents, layer_incidents, actions, resets,
-                      layer_ratios, list(problems))
+                      layer_ratios, list(problems), sorted(self.ranks))
 
 
 _NAN = float("nan")
