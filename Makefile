@@ -32,7 +32,7 @@ demo: $(VENV)/.installed-demo
 # Regenerates the sample post-mortem in reports/ from a fresh demo run.
 sample-report: $(VENV)/.installed-demo
 	rm -rf reports/demo-logs reports/quickstart
-	$(BIN)/python examples/quickstart.py --log-dir reports/demo-logs --run-id quickstart-sample --quiet
+	$(BIN)/python examples/quickstart.py --log-dir reports/demo-logs --run-id quickstart-sample --quiet --trackers ""
 	$(BIN)/stabilityguard report reports/demo-logs -o reports/quickstart
 
 test: $(VENV)/.installed-test

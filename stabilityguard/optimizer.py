@@ -216,7 +216,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._build_index()
 
         built_in: List[Sink] = []
-        writes = self.rank == 0 or config.log_ranks == "all"
+        self._writes = writes = self.rank == 0 or config.log_ranks == "all"
         if writes and config.log_dir is not None:
             built_in += [JsonlSink(config.log_dir, per_rank=config.log_ranks == "all"), SpikeReportSink(config.log_dir)]
         if writes and config.verbose:
@@ -266,7 +266,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._index = idx
         self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks)
         self._names = list(idx.layer_names) + list(idx.param_names)
-        self._n_layers = n_l
         self._detector = SpikeDetector(
             names,
             n_l,
@@ -306,8 +305,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.base_optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_sink(self, sink: Sink) -> None:
-        """Attach one more sink (e.g. a tracker bridge) after construction."""
-        self.dispatcher.add(sink)
+        """Attach one more sink (e.g. a tracker bridge) after construction (ignored on ranks that do
+        not write, see ``log_ranks``)."""
+        if self._writes:
+            self.dispatcher.add(sink)
 
     def _emit(self, event: GuardEvent) -> None:
         self.dispatcher.emit(event)

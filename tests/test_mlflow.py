@@ -119,3 +119,14 @@ def test_bridge_uses_the_active_mlflow_run(run_factory, mlflow_server):
         assert len(client.get_metric_history(active.info.run_id, "sg/global_grad_norm")) == 2
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_bridge_arguments_are_validated(tmp_path):
+    from stabilityguard import ConfigError
+    from stabilityguard.integrations.mlflow import MLflowBridge
+
+    with pytest.raises(ConfigError, match=r"close_timeout must be a number of seconds >= 0; got -1"):
+        MLflowBridge(f"sqlite:///{tmp_path}/m.db", close_timeout=-1)
+    with pytest.raises(ConfigError, match=r"max_layer_metrics must be an integer >= 0; got 'all'"):
+        MLflowBridge(f"sqlite:///{tmp_path}/m.db", max_layer_metrics="all")
+    assert not (tmp_path / "m.db").exists()  # refused before connecting

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from ..errors import ConfigError
 from ..events import ActionTaken, BaselineReset, GuardEvent, NonFinite, RunEnd, RunStart, Spike, StepSummary
 
 logger = logging.getLogger(__name__)
@@ -104,10 +105,10 @@ class TrackerBridge:
         queue_size: int = 100_000,
         upload_report: bool = True,
     ) -> None:
-        if not isinstance(max_layer_metrics, int) or max_layer_metrics < 0:
-            raise ValueError(f"max_layer_metrics must be an integer >= 0; got {max_layer_metrics!r}")
-        if not (isinstance(close_timeout, (int, float)) and close_timeout >= 0):
-            raise ValueError(f"close_timeout must be a number of seconds >= 0; got {close_timeout!r}")
+        if isinstance(max_layer_metrics, bool) or not isinstance(max_layer_metrics, int) or max_layer_metrics < 0:
+            raise ConfigError(f"max_layer_metrics must be an integer >= 0; got {max_layer_metrics!r}")
+        if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or not close_timeout >= 0:
+            raise ConfigError(f"close_timeout must be a number of seconds >= 0; got {close_timeout!r}")
         self.max_layer_metrics = max_layer_metrics
         self.max_table_rows = max_table_rows
         self.close_timeout = float(close_timeout)

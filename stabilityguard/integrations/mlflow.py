@@ -65,6 +65,9 @@ class MLflowBridge(TrackerBridge):
         background: bool = True,
     ) -> None:
         self._mlflow = require("mlflow", extra="mlflow", feature="MLflowBridge")
+        # Validates the shared arguments (and starts the worker) before any connection is made.
+        super().__init__(max_layer_metrics=max_layer_metrics, background=background, close_timeout=close_timeout,
+                         upload_report=upload_report)
         from mlflow.tracking import MlflowClient
 
         if tracking_uri is None:
@@ -83,8 +86,6 @@ class MLflowBridge(TrackerBridge):
         self.run_id: Optional[str] = run_id
         self._existing: Dict[str, set] = {}
         self._dedupe = False
-        super().__init__(max_layer_metrics=max_layer_metrics, background=background, close_timeout=close_timeout,
-                         upload_report=upload_report)
 
     # -- run -----------------------------------------------------------------------------------------
     def _ensure_run(self, e: Any) -> str:
