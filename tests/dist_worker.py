@@ -97,7 +97,30 @@ def fsdp(out: Path, rank: int, world: int) -> dict:
             "layer_norms": layer_norms, "ref_layer_norms": ref_norms, "run_id": opt.run_id}
 
 
+def ddp_accumulation(out: Path, rank: int, world: int) -> dict:
+    """DDP with gradient accumulation x2 under no_sync; a bad micro-batch on rank 1 at step 12."""
+    model = _model()
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = GuardedOptimizer(torch.optim.AdamW(ddp_model.parameters(), lr=3e-3), ddp_model, verbose=False,
+                           log_dir=None)
+    data = MarkovData(vocab_size=32, seed=rank)
+    for step in range(16):
+        for micro in range(2):
+            x, y = data.batch(8, 16)
+            ctx = ddp_model.no_sync() if micro == 0 else torch.enable_grad()
+            with ctx:
+                loss = torch.nn.functional.cross_entropy(ddp_model(x).reshape(-1, 32), y.reshape(-1)) / 2
+                if step == 12 and rank == 1 and micro == 0:
+                    loss = loss * 1e4  # a bad batch on one rank, accumulated locally before the all-reduce
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    c = opt.counters
+    return {"rank": rank, "digest": _digest(model), "spikes": c.spikes, "skipped": c.skipped, "steps": c.steps}
+
+
 SCENARIOS = {
+    "ddp_accum": ddp_accumulation,
     "ddp": ddp,
     "ddp_nosync": lambda out, rank, world: ddp(out, rank, world, sync_ranks=False),
     "ddp_allranks": lambda out, rank, world: ddp(out, rank, world, log_ranks="all"),

@@ -57,6 +57,13 @@ def test_per_rank_logs_and_merged_report(tmp_path):
     assert len(run.actions) == 2
 
 
+def test_ddp_gradient_accumulation_under_no_sync(tmp_path):
+    r0, r1 = launch(tmp_path, "ddp_accum")
+    for r in (r0, r1):
+        assert (r["steps"], r["spikes"], r["skipped"]) == (16, 1, 1)  # one check per step(), not per micro-batch
+    assert r0["digest"] == r1["digest"]
+
+
 def test_fsdp2_sharded_norms_equal_unsharded(tmp_path):
     r0, r1 = launch(tmp_path, "fsdp")
     for r in (r0, r1):
