@@ -13,6 +13,9 @@ from .errors import ConfigError
 #: The values ``nan_action`` accepts.
 NAN_ACTIONS = ("skip", "rollback", "raise")
 
+#: The values ``spam_reset_scope`` accepts.
+SPAM_SCOPES = ("spiked", "all")
+
 #: The values ``log_ranks`` accepts.
 LOG_RANKS = ("zero", "all")
 
@@ -78,6 +81,20 @@ class GuardConfig:
     ``torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)``.
     """
 
+    enable_spam: bool = False
+    """After a refused step, reset the optimizer state (Adam moments and bias-correction step, SGD
+    momentum) of the tensors that spiked and back the LR off (see ``stabilityguard.features.spam``)."""
+
+    spam_lr_reduction: float = 0.5
+    """LR factor applied at a refused step when ``enable_spam``, in (0, 1]; 1 disables the LR backoff."""
+
+    spam_recovery_steps: int = 100
+    """Accepted steps over which the LR factor returns linearly to 1 when ``enable_spam``."""
+
+    spam_reset_scope: str = "spiked"
+    """Which tensors ``enable_spam`` resets: ``"spiked"`` (the layers over the threshold or non-finite) or
+    ``"all"``."""
+
     sync_ranks: bool = True
     """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
     same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
@@ -123,6 +140,15 @@ class GuardConfig:
             ) from exc
         if self.clip_grad_norm is not None:
             _check_number("clip_grad_norm", self.clip_grad_norm, low=0.0, low_inclusive=False)
+        if not isinstance(self.enable_spam, bool):
+            raise ConfigError(f"enable_spam must be True or False; got {self.enable_spam!r}")
+        _check_number("spam_lr_reduction", self.spam_lr_reduction, low=0.0, low_inclusive=False, high=1.0)
+        _check_int("spam_recovery_steps", self.spam_recovery_steps, low=1)
+        if self.spam_reset_scope not in SPAM_SCOPES:
+            raise ConfigError(
+                f"spam_reset_scope must be one of {', '.join(repr(a) for a in SPAM_SCOPES)}; "
+                f"got {self.spam_reset_scope!r}"
+            )
         if not isinstance(self.sync_ranks, bool):
             raise ConfigError(f"sync_ranks must be True or False; got {self.sync_ranks!r}")
         if self.log_ranks not in LOG_RANKS:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 
@@ -198,6 +198,8 @@ class ActionTaken(GuardEvent):
         layer: The trigger layer.
         rollback_to_step: For ``rollback``: the guard step whose state was restored (the state after
             that many accepted updates had been applied).
+        momentum_reset: With ``enable_spam``: how many tensors had their optimizer state reset (schema 1.1).
+        lr_factor: With ``enable_spam``: the LR multiplier now in force, recovering to 1 (schema 1.1).
     """
 
     kind: ClassVar[EventKind] = EventKind.ACTION
@@ -205,6 +207,8 @@ class ActionTaken(GuardEvent):
     reason: str = "spike"
     layer: str = ""
     rollback_to_step: Optional[int] = None
+    momentum_reset: Optional[int] = None
+    lr_factor: Optional[float] = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from . import __version__
 from .actions import RollbackManager, skip_step
 from .config import GuardConfig
 from .detector import Decision, SpikeDetector
+from .features.spam import MomentumReset
 from .errors import ConfigError, GradientSpikeError
 from .events import (
     Action,
@@ -121,6 +122,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
             buffers plus the optimizer state (~3x the parameters for Adam) in memory there.
         clip_grad_norm: Clip accepted steps to this total norm (like ``clip_grad_norm_``) after
             detection, reusing the measured norm (no second pass); ``None`` = no clipping.
+        enable_spam: After a refused step, reset the optimizer state (Adam moments and their
+            bias-correction step, SGD momentum) of the spiking tensors and back the LR off.
+        spam_lr_reduction: LR factor at a refused step with ``enable_spam`` (recovers to 1).
+        spam_recovery_steps: Accepted steps for the LR factor to recover to 1.
+        spam_reset_scope: ``"spiked"`` or ``"all"`` tensors are reset.
         sync_ranks: Under ``torch.distributed``: one small all-reduce per step so all ranks decide alike.
         log_ranks: ``"zero"`` (only rank 0 writes console/JSONL/reports/extra sinks) or ``"all"``.
         run_id: Run identifier written in every event (generated when ``None``; under
@@ -158,6 +164,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         rollback_interval: int = 100,
         snapshot_device: str = "cpu",
         clip_grad_norm: Optional[float] = None,
+        enable_spam: bool = False,
+        spam_lr_reduction: float = 0.5,
+        spam_recovery_steps: int = 100,
+        spam_reset_scope: str = "spiked",
         sync_ranks: bool = True,
         log_ranks: str = "zero",
         run_id: Optional[str] = None,
@@ -185,6 +195,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 rollback_interval=rollback_interval,
                 snapshot_device=snapshot_device,
                 clip_grad_norm=clip_grad_norm,
+                enable_spam=enable_spam,
+                spam_lr_reduction=spam_lr_reduction,
+                spam_recovery_steps=spam_recovery_steps,
+                spam_reset_scope=spam_reset_scope,
                 sync_ranks=sync_ranks,
                 log_ranks=log_ranks,
                 run_id=run_id,
@@ -224,6 +238,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if not writes and extra_sinks:
             logger.debug("rank %d: %d extra sink(s) not attached (log_ranks='zero')", self.rank, len(extra_sinks))
         self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
+
+        self._spam: Optional[MomentumReset] = None
+        if config.enable_spam:
+            self._spam = MomentumReset(base_opt, lr_reduction=config.spam_lr_reduction,
+                                       recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope)
 
         self._rollback: Optional[RollbackManager] = None
         if config.nan_action == Action.ROLLBACK.value:
@@ -266,6 +285,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._index = idx
         self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks)
         self._names = list(idx.layer_names) + list(idx.param_names)
+        self._layer_params: Dict[str, List[torch.Tensor]] = {}
+        for p, layer in zip(idx.params, idx.layer_of_param.tolist()):
+            self._layer_params.setdefault(idx.layer_names[layer], []).append(p)
         self._detector = SpikeDetector(
             names,
             n_l,
@@ -430,7 +452,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if coef < 1.0:
                 grads = [p.grad for p in self._index.params if p.grad is not None]
                 torch._foreach_mul_(grads, coef)
-        self.base_optimizer.step()
+        if self._spam is not None:
+            self._spam.step()  # the LR factor is applied around the wrapped step only
+        else:
+            self.base_optimizer.step()
         self.counters.accepted += 1
         if self._rollback is not None:
             self._rollback.after_accepted_step(step + 1)
@@ -500,6 +525,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         norms = {names[i]: json_float(values[i]) for i in range(len(names)) if stats.is_present(i)}
         baselines = {names[i]: json_float(b) for i, b in enumerate(before) if not math.isnan(b)}
         action, rollback_to = self._apply_action()
+        reset, lr_factor = None, None
+        if self._spam is not None and action != Action.RAISE.value:
+            layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
+            reset = self._spam.on_refused([p for l in layers for p in self._layer_params.get(l, ())])
+            lr_factor = self._spam.factor
         event: Spike = self._event(
             cls, step, threshold=self.config.spike_threshold, action=action, loss=json_float(stats.loss),
             global_norm=json_float(stats.global_norm), layer_norms=norms, ema_baselines=baselines, **fields,
@@ -507,7 +537,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._emit(event)
         reason = event.kind.value
         self._emit(self._event(ActionTaken, step, action=action, reason=reason, layer=event.layer,
-                               rollback_to_step=rollback_to))
+                               rollback_to_step=rollback_to, momentum_reset=reset, lr_factor=lr_factor))
         self.dispatcher.flush()
         if action != Action.RAISE.value:
             return None
@@ -569,11 +599,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------- checkpoints
     def guard_state_dict(self) -> Dict[str, Any]:
         """The guard's own state: baselines, counters (JSON-native, loadable with weights_only)."""
-        return {
+        out = {
             "format": 1,
             "detector": self._detector.state_dict(),
             "counters": asdict(self.counters),
         }
+        if self._spam is not None:
+            out["spam"] = self._spam.state_dict()
+        return out
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`guard_state_dict` output (baselines are matched by layer name)."""
@@ -584,6 +617,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         for k, v in state.get("counters", {}).items():
             if hasattr(self.counters, k):
                 setattr(self.counters, k, v)
+        if self._spam is not None and "spam" in state:
+            self._spam.load_state_dict(state["spam"])
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"``."""

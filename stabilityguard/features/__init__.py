@@ -1,0 +1,1 @@
+"""Opt-in features of the guard (each off by default)."""
