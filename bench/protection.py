@@ -7,7 +7,8 @@ grow smoothly x20 over 200 steps: not a fault); high LR without warm-up (natural
 injected fault). Methods: plain AdamW; clip_grad_norm_(1.0); ZClip (zclip package, defaults); an
 OLMo-core-style skip-step rule (our implementation of: skip when loss or grad norm exceeds the mean +
 6 std of the last 128 steps); the earlier stabilityguard 0.3.0 release (in its own virtual environment,
-bench/.venv-sg03, created on first use); ours in its default configuration.
+bench/.venv-sg03, created on first use); ours in its default configuration, with enable_spam, and
+with enable_auto_calibration.
 
 Per cell: final loss (mean of the last 10% of steps), eval loss (4 held-out batches after training),
 diverged (non-finite weights or loss), gap of the eval loss to the clean plain run, steps flagged (skipped, or clipped for the clipping methods), recall at the injected
@@ -238,6 +239,22 @@ class Ours(Method):
         self.opt.close()
 
 
+class OursSpam(Ours):
+    name = "ours + enable_spam"
+    options = {"enable_spam": True}
+
+    def __init__(self, model, lr, log_dir):
+        Method.__init__(self, model, lr, log_dir)
+        from stabilityguard import GuardedOptimizer
+
+        self.opt = GuardedOptimizer(self.opt, model, log_dir=log_dir, verbose=False, **self.options)
+
+
+class OursCalibrated(OursSpam):
+    name = "ours + auto-calibration"
+    options = {"enable_auto_calibration": True}
+
+
 class SG03(Method):
     name = "stabilityguard 0.3.0"
 
@@ -259,7 +276,7 @@ class SG03(Method):
         self.opt.close()
 
 
-LOCAL_METHODS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, Ours]
+LOCAL_METHODS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, Ours, OursSpam, OursCalibrated]
 
 # ----------------------------------------------------------------------------------------- a cell
 
@@ -458,7 +475,7 @@ def main(argv=None) -> List[Dict[str, Any]]:
     rows = run_local(workloads, scenarios, LOCAL_METHODS)
     if not args.no_sg03:
         rows += run_sg03(workloads, scenarios)
-    order = [m.name for m in LOCAL_METHODS[:-1]] + [SG03.name, Ours.name]
+    order = [m.name for m in LOCAL_METHODS[:4]] + [SG03.name] + [m.name for m in LOCAL_METHODS[4:]]
     rows.sort(key=lambda r: (r["workload"], scenarios.index(r["scenario"]), order.index(r["method"])))
     print(finish(rows, args.out, scenarios))
     return rows

@@ -95,6 +95,14 @@ class GuardConfig:
     """Which tensors ``enable_spam`` resets: ``"spiked"`` (the layers over the threshold or non-finite) or
     ``"all"``."""
 
+    enable_auto_calibration: bool = False
+    """Learn one threshold per layer from the run itself (see ``stabilityguard.features.calibration``):
+    during ``auto_calibration_warmup_steps`` accepted steps only NaN/Inf is caught, then each layer's
+    threshold is a robust bound on its own ratio distribution, never above ``spike_threshold``."""
+
+    auto_calibration_warmup_steps: int = 100
+    """Accepted steps (after ``warmup_steps``) of statistics collection before thresholds are set."""
+
     sync_ranks: bool = True
     """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
     same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
@@ -149,6 +157,9 @@ class GuardConfig:
                 f"spam_reset_scope must be one of {', '.join(repr(a) for a in SPAM_SCOPES)}; "
                 f"got {self.spam_reset_scope!r}"
             )
+        if not isinstance(self.enable_auto_calibration, bool):
+            raise ConfigError(f"enable_auto_calibration must be True or False; got {self.enable_auto_calibration!r}")
+        _check_int("auto_calibration_warmup_steps", self.auto_calibration_warmup_steps, low=1)
         if not isinstance(self.sync_ranks, bool):
             raise ConfigError(f"sync_ranks must be True or False; got {self.sync_ranks!r}")
         if self.log_ranks not in LOG_RANKS:

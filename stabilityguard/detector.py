@@ -106,7 +106,15 @@ class SpikeDetector:
         self._min_count = max(self.warmup_steps, 1)
         # Counts saturate here: beyond it neither readiness nor the EMA factor changes.
         self._cap = max(self._min_count, math.ceil(1.0 / self.alpha))
+        #: Per-layer thresholds (auto-calibration); ``None``: ``threshold`` for every layer.
+        self.limits: Optional[List[float]] = None
+        #: While True no spike is reported (auto-calibration warm-up); ratios and baselines still update.
+        self.suspended = False
         self._refresh_flags()
+
+    def limit(self, i: int) -> float:
+        """The threshold of detected layer ``i``."""
+        return self.threshold if self.limits is None else self.limits[i]
 
     def _refresh_flags(self) -> None:
         low = min(self.count) if self.count else self._cap
@@ -121,11 +129,12 @@ class SpikeDetector:
     def evaluate(self, values: Sequence[float], present: Optional[Sequence[bool]] = None) -> Decision:
         """Compare ``values`` with the baselines (``present=None``: all present); changes nothing."""
         nd, thr, ema = self.n_detect, self.threshold, self.ema
+        lim = self.limits
         if present is None and self._all_ready and nd:
             ratios = [v / e for v, e in zip(values[:nd], ema)]  # baselines are > 0 once warmed up
             r = max(ratios)
-            if r <= thr:  # the common case: nothing over the threshold
-                return Decision(ratios, None, None, -1, ratios.index(r), r)
+            if self.suspended or (r <= thr if lim is None else all(x <= t for x, t in zip(ratios, lim))):
+                return Decision(ratios, None, None, -1, ratios.index(r), r)  # the common case: no spike
         ratios = [
             values[i] / ema[i] if self.count[i] >= self._min_count and (present is None or present[i]) else _NAN
             for i in range(nd)
@@ -135,7 +144,9 @@ class SpikeDetector:
             return Decision(ratios, None, None, -1, -1, _NAN)
         max_index = max(live, key=ratios.__getitem__)
         max_ratio = ratios[max_index]
-        over = [i for i in live if ratios[i] > thr]
+        if self.suspended:
+            return Decision(ratios, None, None, -1, max_index, max_ratio)
+        over = [i for i in live if ratios[i] > (thr if lim is None else lim[i])]
         if not over:
             return Decision(ratios, None, None, -1, max_index, max_ratio)
         shift = [i for i in over if self.consecutive[i] + 1 >= self.patience]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 
@@ -27,6 +27,7 @@ class EventKind(str, Enum):
     NONFINITE = "nonfinite"
     ACTION = "action"
     BASELINE_RESET = "baseline_reset"
+    CALIBRATION = "calibration"
     RUN_END = "run_end"
 
 
@@ -223,6 +224,17 @@ class BaselineReset(GuardEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Calibration(GuardEvent):
+    """Auto-calibration finished its warm-up: the per-layer thresholds now in force (schema 1.2)."""
+
+    kind: ClassVar[EventKind] = EventKind.CALIBRATION
+    thresholds: Dict[str, float] = field(default_factory=dict)
+    warmup_steps: int = 0
+    z: float = 0.0
+    max_threshold: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunEnd(GuardEvent):
     """The guard was closed: totals of the run."""
 
@@ -238,5 +250,5 @@ class RunEnd(GuardEvent):
 
 _KINDS: Dict[str, Type[GuardEvent]] = {
     cls.kind.value: cls
-    for cls in (RunStart, StepSummary, Spike, NonFinite, ActionTaken, BaselineReset, RunEnd)
+    for cls in (RunStart, StepSummary, Spike, NonFinite, ActionTaken, BaselineReset, Calibration, RunEnd)
 }

@@ -20,12 +20,14 @@ from . import __version__
 from .actions import RollbackManager, skip_step
 from .config import GuardConfig
 from .detector import Decision, SpikeDetector
+from .features.calibration import AutoCalibrator
 from .features.spam import MomentumReset
 from .errors import ConfigError, GradientSpikeError
 from .events import (
     Action,
     ActionTaken,
     BaselineReset,
+    Calibration,
     GuardEvent,
     NonFinite,
     RunEnd,
@@ -127,6 +129,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         spam_lr_reduction: LR factor at a refused step with ``enable_spam`` (recovers to 1).
         spam_recovery_steps: Accepted steps for the LR factor to recover to 1.
         spam_reset_scope: ``"spiked"`` or ``"all"`` tensors are reset.
+        enable_auto_calibration: Learn a threshold per layer during ``auto_calibration_warmup_steps``
+            accepted steps (only NaN/Inf is caught meanwhile); never above ``spike_threshold``.
+        auto_calibration_warmup_steps: Accepted steps of statistics before the thresholds are set.
         sync_ranks: Under ``torch.distributed``: one small all-reduce per step so all ranks decide alike.
         log_ranks: ``"zero"`` (only rank 0 writes console/JSONL/reports/extra sinks) or ``"all"``.
         run_id: Run identifier written in every event (generated when ``None``; under
@@ -168,6 +173,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         spam_lr_reduction: float = 0.5,
         spam_recovery_steps: int = 100,
         spam_reset_scope: str = "spiked",
+        enable_auto_calibration: bool = False,
+        auto_calibration_warmup_steps: int = 100,
         sync_ranks: bool = True,
         log_ranks: str = "zero",
         run_id: Optional[str] = None,
@@ -199,6 +206,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 spam_lr_reduction=spam_lr_reduction,
                 spam_recovery_steps=spam_recovery_steps,
                 spam_reset_scope=spam_reset_scope,
+                enable_auto_calibration=enable_auto_calibration,
+                auto_calibration_warmup_steps=auto_calibration_warmup_steps,
                 sync_ranks=sync_ranks,
                 log_ranks=log_ranks,
                 run_id=run_id,
@@ -299,6 +308,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         )
         if old is not None:
             self._detector.load_state_dict(old)
+        self._calibrator: Optional[AutoCalibrator] = None
+        if cfg.enable_auto_calibration:
+            self._calibrator = AutoCalibrator(n_l, warmup=cfg.auto_calibration_warmup_steps,
+                                              max_threshold=cfg.spike_threshold)
+            self._detector.suspended = True  # until the thresholds are learned: NaN/Inf only
 
     def __getattr__(self, name: str) -> Any:
         # Forward public attributes of the wrapped optimizer (e.g. schedule-free optimizers' train()).
@@ -468,6 +482,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._window_max = (decision.max_ratio, decision.max_index)
         if decision.accepted and not decision.shifted:  # the common, fast path
             det.commit(decision, values, present)
+            if self._calibrator is not None:
+                self._calibrate(step, decision)
             self._accept(step, stats)
             return None
         before = det.baselines()
@@ -479,9 +495,23 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 new_baseline=json_float(values[i]), consecutive=self.config.level_shift_patience,
             ))
         if decision.accepted:
+            if self._calibrator is not None:
+                self._calibrate(step, decision)
             self._accept(step, stats)
             return None
         return self._act_on_spike(step, stats, decision, before)
+
+    def _calibrate(self, step: int, decision: Decision) -> None:
+        cal = self._calibrator
+        assert cal is not None
+        done = cal.observe(decision.ratios)
+        if cal.calibrated:
+            self._detector.limits = cal.thresholds
+        if done:
+            self._detector.suspended = False
+            names = self._index.layer_names
+            self._emit(self._event(Calibration, step, thresholds=dict(zip(names, cal.thresholds or [])),
+                                   warmup_steps=cal.warmup, z=cal.z, max_threshold=cal.max_threshold))
 
     def _act_on_spike(
         self,
@@ -494,15 +524,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
         t = decision.trigger
         layer, ratio, norm = self._names[t], decision.ratios[t], stats.values[t]
         self.counters.spikes += 1
+        limit = self._detector.limit(t)
+        what = "spike_threshold" if self._detector.limits is None else "calibrated threshold"
         message = (
             f"gradient spike at step {step} in layer {layer!r}: norm {norm:.4g} is {ratio:.4g}x its "
-            f"baseline {before[t]:.4g} (spike_threshold={self.config.spike_threshold}); weights untouched"
+            f"baseline {before[t]:.4g} ({what}={limit:g}); weights untouched"
         )
         spike_layers = {self._names[i]: decision.ratios[i] for i, s in enumerate(decision.spike_mask) if s}
         return self._incident(
             Spike, step, stats, before, message,
             layer=layer, ratio=json_float(ratio), grad_norm=json_float(norm), baseline=json_float(before[t]),
-            spike_layers=spike_layers, nan_layers=[],
+            spike_layers=spike_layers, nan_layers=[], threshold=limit,
         )
 
     def _on_nonfinite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
@@ -530,8 +562,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
             reset = self._spam.on_refused([p for l in layers for p in self._layer_params.get(l, ())])
             lr_factor = self._spam.factor
+        fields.setdefault("threshold", self.config.spike_threshold)
         event: Spike = self._event(
-            cls, step, threshold=self.config.spike_threshold, action=action, loss=json_float(stats.loss),
+            cls, step, action=action, loss=json_float(stats.loss),
             global_norm=json_float(stats.global_norm), layer_norms=norms, ema_baselines=baselines, **fields,
         )
         self._emit(event)
@@ -606,6 +639,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         }
         if self._spam is not None:
             out["spam"] = self._spam.state_dict()
+        if self._calibrator is not None:
+            out["calibration"] = self._calibrator.state_dict()
         return out
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
@@ -619,6 +654,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 setattr(self.counters, k, v)
         if self._spam is not None and "spam" in state:
             self._spam.load_state_dict(state["spam"])
+        if self._calibrator is not None and "calibration" in state:
+            self._calibrator.load_state_dict(state["calibration"])
+            if self._calibrator.calibrated:
+                self._detector.limits = self._calibrator.thresholds
+                self._detector.suspended = False
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"``."""

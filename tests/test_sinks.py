@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stabilityguard import GuardedOptimizer, JsonlSink
-from stabilityguard.events import GuardEvent, Spike, StepSummary
+from stabilityguard.events import SCHEMA_VERSION, GuardEvent, Spike, StepSummary
 from stabilityguard.testing import poison_grad, scale_grad
 
 
@@ -122,7 +122,7 @@ def test_disk_full_keeps_events_and_writes_them_when_space_returns(tmp_path, cap
 def test_events_round_trip():
     ev = Spike(run_id="r", step=3, layer="fc2", ratio=12.5, action="skip", layer_norms={"fc2": 1.0})
     d = ev.to_dict()
-    assert d["schema_version"] == "1.1" and d["kind"] == "spike"
+    assert d["schema_version"] == SCHEMA_VERSION and d["kind"] == "spike"
     assert GuardEvent.from_dict(json.loads(json.dumps(d))) == ev
     assert GuardEvent.from_dict({**d, "a_future_field": 1}) == ev
     with pytest.raises(ValueError, match="newer than this stabilityguard reads"):

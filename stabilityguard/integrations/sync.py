@@ -17,12 +17,13 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ..events import GuardEvent, RunEnd
+from ..events import EventKind, GuardEvent, RunEnd
 from ..reports.load import Problem, iter_records
 
 logger = logging.getLogger(__name__)
 
 TARGETS = ("mlflow", "wandb")
+_KNOWN = {k.value for k in EventKind}
 
 
 def read_events(log_dir: Union[str, Path], run_id: Optional[str] = None) -> List[GuardEvent]:
@@ -35,6 +36,9 @@ def read_events(log_dir: Union[str, Path], run_id: Optional[str] = None) -> List
     starts: Dict[str, float] = {}
     for path in sorted(log_dir.glob("events-*.jsonl")):
         for rec in iter_records(path, problems):
+            if rec.get("kind") not in _KNOWN:
+                logger.debug("%s: record of unknown kind %r ignored (newer minor schema)", path, rec.get("kind"))
+                continue
             try:
                 ev = GuardEvent.from_dict(rec)
             except (TypeError, ValueError) as exc:

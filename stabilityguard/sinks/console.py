@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import IO, List, Optional, Union
 
-from ..events import ActionTaken, BaselineReset, GuardEvent, NonFinite, RunEnd, Spike, StepSummary
+from ..events import ActionTaken, BaselineReset, Calibration, GuardEvent, NonFinite, RunEnd, Spike, StepSummary
 
 _WIDTH = 62  # inner width of the panel
 
@@ -73,6 +73,13 @@ class ConsoleSink:
                 f"[stabilityguard] step {event.step}: {event.layer} spiked {event.consecutive} steps in a row; "
                 f"accepting its new gradient level (baseline {_fmt(event.old_baseline)} -> {_fmt(event.new_baseline)})"
             )
+        elif isinstance(event, Calibration):
+            th = sorted(event.thresholds.values())
+            if th:
+                self._print(
+                    f"[stabilityguard] step {event.step}: auto-calibration done, {len(th)} layer thresholds "
+                    f"from {_fmt(th[0])} to {_fmt(th[-1])} (median {_fmt(th[len(th) // 2])})"
+                )
         elif isinstance(event, RunEnd):
             self._print(
                 f"[stabilityguard] run end after {event.steps} steps: {event.spikes} spikes, "
