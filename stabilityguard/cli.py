@@ -34,6 +34,11 @@ def _load(path: str, run_id: Optional[str] = None):
     return list(runs.values())[-1], runs
 
 
+def _echo(*parts: object, file=None) -> None:
+    """The command's output (stdout, or ``file``): what the user asked the CLI for, not a diagnostic."""
+    (file or sys.stdout).write(" ".join(str(p) for p in parts) + "\n")
+
+
 class _Exit(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -68,12 +73,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
             df.to_csv(path)
             written.append(path)
     others = [r for r in runs if r != run.run_id]
-    print(f"report of run {run.run_id}" + (f" (other runs here: {', '.join(others)}; pick one with --run)" if others else ""))
+    _echo(f"report of run {run.run_id}" + (f" (other runs here: {', '.join(others)}; pick one with --run)" if others else ""))
     for p in written:
-        print(f"  {p}")
+        _echo(f"  {p}")
     if args.format == "md" and args.print:
-        print()
-        print(postmortem_markdown(run))
+        _echo()
+        _echo(postmortem_markdown(run))
     return 0
 
 
@@ -83,16 +88,16 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     run, _ = _load(args.logdir, args.run)
     s = run_summary(run)
     if args.json:
-        print(json.dumps(s, indent=2))
+        _echo(json.dumps(s, indent=2))
         return 0
-    print(f"run {s['run_id']}: {s['steps']} steps")
-    print(f"total spikes        : {s['spikes']}")
-    print(f"NaN/Inf steps       : {s['nonfinite']}" + (f"  (layers: {', '.join(s['nonfinite_layers'][:5])})" if s['nonfinite_layers'] else ""))
-    print(f"skipped / rollbacks : {s['skipped']} / {s['rollbacks']}")
-    print(f"most problematic    : {s['top_layer'] or 'none'}")
-    print(f"final loss          : {s['final_loss'] if s['final_loss'] is not None else 'n/a'}")
+    _echo(f"run {s['run_id']}: {s['steps']} steps")
+    _echo(f"total spikes        : {s['spikes']}")
+    _echo(f"NaN/Inf steps       : {s['nonfinite']}" + (f"  (layers: {', '.join(s['nonfinite_layers'][:5])})" if s['nonfinite_layers'] else ""))
+    _echo(f"skipped / rollbacks : {s['skipped']} / {s['rollbacks']}")
+    _echo(f"most problematic    : {s['top_layer'] or 'none'}")
+    _echo(f"final loss          : {s['final_loss'] if s['final_loss'] is not None else 'n/a'}")
     if run.problems:
-        print(f"log problems        : {len(run.problems)} (first: {run.problems[0]})")
+        _echo(f"log problems        : {len(run.problems)} (first: {run.problems[0]})")
     return 0
 
 
@@ -108,14 +113,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         name = Path(d).name or d
         runs[name if name not in runs else f"{name}-{run.run_id}"] = run
     table = compare_table(runs)
-    print(table.to_markdown() if _has_tabulate() else table.to_string())
+    _echo(table.to_markdown() if _has_tabulate() else table.to_string())
     if args.output:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         table.to_csv(out / "compare.csv")
         if not args.no_plots:
             compare_plot(runs, out / "compare.png")
-        print(f"written: {out / 'compare.csv'}" + ("" if args.no_plots else f", {out / 'compare.png'}"))
+        _echo(f"written: {out / 'compare.csv'}" + ("" if args.no_plots else f", {out / 'compare.png'}"))
     return 0
 
 
@@ -140,7 +145,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         result = sync(p, args.to, run_id=args.run, **kwargs)
     except LookupError as exc:
         raise _Exit(EXIT_EMPTY, f"error: {exc}") from None
-    print(json.dumps(result))
+    _echo(json.dumps(result))
     return 1 if result.get("failed") else 0
 
 
@@ -194,13 +199,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(args.func(args))
     except _Exit as exc:
-        print(str(exc), file=sys.stderr)
+        _echo(str(exc), file=sys.stderr)
         return exc.code
     except LogFormatError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _echo(f"error: {exc}", file=sys.stderr)
         return EXIT_FORMAT
     except MissingDependencyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _echo(f"error: {exc}", file=sys.stderr)
         return EXIT_MISSING_DEP
 
 

@@ -18,6 +18,20 @@ SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 
+def check_schema_version(version: Any) -> None:
+    """Raise ``ValueError`` for an unreadable version or a newer major version than this package's."""
+    version = str(version)
+    try:
+        major = int(version.split(".")[0])
+    except ValueError as exc:
+        raise ValueError(f"unreadable schema_version {version!r}") from exc
+    if major > SCHEMA_MAJOR:
+        raise ValueError(
+            f"event schema {version} is newer than this stabilityguard reads ({SCHEMA_VERSION}); "
+            "upgrade stabilityguard"
+        )
+
+
 class EventKind(str, Enum):
     """The kinds of event record."""
 
@@ -88,16 +102,7 @@ class GuardEvent:
             >>> GuardEvent.from_dict(ev.to_dict()) == ev
             True
         """
-        version = str(data.get("schema_version", SCHEMA_VERSION))
-        try:
-            major = int(version.split(".")[0])
-        except ValueError as exc:
-            raise ValueError(f"unreadable schema_version {version!r}") from exc
-        if major > SCHEMA_MAJOR:
-            raise ValueError(
-                f"event schema {version} is newer than this stabilityguard reads ({SCHEMA_VERSION}); "
-                "upgrade stabilityguard"
-            )
+        check_schema_version(data.get("schema_version", SCHEMA_VERSION))
         kind = data.get("kind")
         cls = _KINDS.get(kind)  # type: ignore[arg-type]
         if cls is None:

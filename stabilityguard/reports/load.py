@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from .._optional import require
 from ..errors import StabilityGuardError
-from ..events import SCHEMA_MAJOR, SCHEMA_VERSION
+from ..events import SCHEMA_VERSION, check_schema_version
 
 logger = logging.getLogger(__name__)
 
@@ -288,16 +288,10 @@ def _log_files(paths: Sequence[PathLike]) -> List[Path]:
 
 
 def _check_version(rec: Dict[str, Any], path: Path, lineno: int) -> None:
-    version = str(rec.get("schema_version", SCHEMA_VERSION))
     try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        raise LogFormatError(f"{path}:{lineno}: unreadable schema_version {version!r}") from None
-    if major > SCHEMA_MAJOR:
-        raise LogFormatError(
-            f"{path}:{lineno}: written with event schema {version}, newer than this stabilityguard reads "
-            f"({SCHEMA_VERSION}); upgrade stabilityguard to read it"
-        )
+        check_schema_version(rec.get("schema_version", SCHEMA_VERSION))
+    except ValueError as exc:
+        raise LogFormatError(f"{path}:{lineno}: {exc} to read it") from None
 
 
 def iter_records(path: PathLike, problems: List[Problem]) -> Iterable[Dict[str, Any]]:
