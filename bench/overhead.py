@@ -13,6 +13,7 @@ Methods:
   clip       torch.nn.utils.clip_grad_norm_(params, 1.0), then AdamW.step()
   guard      GuardedOptimizer default config (JSONL log + console on; no spike happens)
   guard-bare GuardedOptimizer(log_dir=None, verbose=False): detection only
+  guard+helene  guard-bare with enable_helene=True (per-layer clipping from Adam's second moments)
 
 Usage:
   python bench/overhead.py            # all three workloads (~10 min on 2 cores)
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from stabilityguard import GuardedOptimizer  # noqa: E402
 from stabilityguard.testing import DeepMLP, TinyGPT  # noqa: E402
 
-METHODS = ["plain", "floor", "clip", "guard", "guard-bare"]
+METHODS = ["plain", "floor", "clip", "guard", "guard-bare", "guard+helene"]
 
 
 def workloads(quick: bool) -> Dict[str, Callable]:
@@ -79,6 +80,8 @@ class Trainer:
             self.opt = GuardedOptimizer(base, model, log_dir=log_dir, verbose=True)
         elif method == "guard-bare":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False)
+        elif method == "guard+helene":
+            self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_helene=True)
         else:
             self.opt = base
         self.opt_time = 0.0
@@ -127,7 +130,7 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
                     tr.step(batches[(r * block + i) % len(batches)])
                 full[m].append((time.perf_counter() - t0) / block)
                 opt_phase[m].append(tr.opt_time / block)
-    for m in ("guard", "guard-bare"):
+    for m in ("guard", "guard-bare", "guard+helene"):
         c = trainers[m].opt.counters
         assert c.spikes == 0 and c.nonfinite == 0, f"{m}: unexpected spike in the benchmark ({c})"
         trainers[m].opt.close()

@@ -7,8 +7,8 @@ grow smoothly x20 over 200 steps: not a fault); high LR without warm-up (natural
 injected fault). Methods: plain AdamW; clip_grad_norm_(1.0); ZClip (zclip package, defaults); an
 OLMo-core-style skip-step rule (our implementation of: skip when loss or grad norm exceeds the mean +
 6 std of the last 128 steps); the earlier stabilityguard 0.3.0 release (in its own virtual environment,
-bench/.venv-sg03, created on first use); ours in its default configuration, with enable_spam, and
-with enable_auto_calibration.
+bench/.venv-sg03, created on first use); ours in its default configuration, with enable_spam, with
+enable_auto_calibration and with enable_helene.
 
 Per cell: final loss (mean of the last 10% of steps), eval loss (4 held-out batches after training),
 diverged (non-finite weights or loss), gap of the eval loss to the clean plain run, steps flagged (skipped, or clipped for the clipping methods), recall at the injected
@@ -255,6 +255,11 @@ class OursCalibrated(OursSpam):
     options = {"enable_auto_calibration": True}
 
 
+class OursHelene(OursSpam):
+    name = "ours + helene"
+    options = {"enable_helene": True}
+
+
 class SG03(Method):
     name = "stabilityguard 0.3.0"
 
@@ -276,7 +281,7 @@ class SG03(Method):
         self.opt.close()
 
 
-LOCAL_METHODS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, Ours, OursSpam, OursCalibrated]
+LOCAL_METHODS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, Ours, OursSpam, OursCalibrated, OursHelene]
 
 # ----------------------------------------------------------------------------------------- a cell
 

@@ -103,6 +103,18 @@ class GuardConfig:
     auto_calibration_warmup_steps: int = 100
     """Accepted steps (after ``warmup_steps``) of statistics collection before thresholds are set."""
 
+    enable_helene: bool = False
+    """Clip each layer of an accepted step to ``helene_base_clip`` times its RMS gradient norm estimated
+    from Adam's second moments (see ``stabilityguard.features.helene``); needs an Adam-type optimizer."""
+
+    helene_base_clip: float = 1.0
+    """Scale of the per-layer thresholds when ``enable_helene`` (> 0): 1 clips any layer above its own
+    RMS norm, larger values only outliers."""
+
+    helene_refresh_steps: int = 10
+    """With ``enable_helene``: steps between two recomputations of the per-layer thresholds from the
+    second moments (1 = every step; the clip itself is applied every step)."""
+
     sync_ranks: bool = True
     """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
     same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
@@ -160,6 +172,10 @@ class GuardConfig:
         if not isinstance(self.enable_auto_calibration, bool):
             raise ConfigError(f"enable_auto_calibration must be True or False; got {self.enable_auto_calibration!r}")
         _check_int("auto_calibration_warmup_steps", self.auto_calibration_warmup_steps, low=1)
+        if not isinstance(self.enable_helene, bool):
+            raise ConfigError(f"enable_helene must be True or False; got {self.enable_helene!r}")
+        _check_number("helene_base_clip", self.helene_base_clip, low=0.0, low_inclusive=False)
+        _check_int("helene_refresh_steps", self.helene_refresh_steps, low=1)
         if not isinstance(self.sync_ranks, bool):
             raise ConfigError(f"sync_ranks must be True or False; got {self.sync_ranks!r}")
         if self.log_ranks not in LOG_RANKS:

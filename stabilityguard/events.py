@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 
@@ -130,7 +130,9 @@ class StepSummary(GuardEvent):
     """Compact summary written every ``log_every`` steps.
 
     ``max_ratio``/``max_ratio_layer`` are the largest layer ratio seen since the previous summary; the
-    counters are totals since the start of the run.
+    counters are totals since the start of the run. With ``enable_helene`` (schema 1.3),
+    ``post_clip_global_norm`` is the norm after the per-layer clip of this step and ``clipped_layers`` how
+    many layers it scaled down (``global_norm`` stays the pre-clip norm).
     """
 
     kind: ClassVar[EventKind] = EventKind.STEP_SUMMARY
@@ -145,6 +147,8 @@ class StepSummary(GuardEvent):
     nonfinite: int = 0
     skipped: int = 0
     rollbacks: int = 0
+    post_clip_global_norm: Optional[float] = None
+    clipped_layers: Optional[int] = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from .actions import RollbackManager, skip_step
 from .config import GuardConfig
 from .detector import Decision, SpikeDetector
 from .features.calibration import AutoCalibrator
+from .features.helene import LayerClipper
 from .features.spam import MomentumReset
 from .errors import ConfigError, GradientSpikeError
 from .events import (
@@ -132,6 +133,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         enable_auto_calibration: Learn a threshold per layer during ``auto_calibration_warmup_steps``
             accepted steps (only NaN/Inf is caught meanwhile); never above ``spike_threshold``.
         auto_calibration_warmup_steps: Accepted steps of statistics before the thresholds are set.
+        enable_helene: Clip each layer of accepted steps to ``helene_base_clip`` x its RMS gradient norm
+            estimated from Adam's second moments (after detection, which sees the unclipped norms).
+        helene_base_clip: Scale of those per-layer thresholds.
+        helene_refresh_steps: Steps between recomputations of those thresholds (the clip runs every step).
         sync_ranks: Under ``torch.distributed``: one small all-reduce per step so all ranks decide alike.
         log_ranks: ``"zero"`` (only rank 0 writes console/JSONL/reports/extra sinks) or ``"all"``.
         run_id: Run identifier written in every event (generated when ``None``; under
@@ -175,6 +180,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         spam_reset_scope: str = "spiked",
         enable_auto_calibration: bool = False,
         auto_calibration_warmup_steps: int = 100,
+        enable_helene: bool = False,
+        helene_base_clip: float = 1.0,
+        helene_refresh_steps: int = 10,
         sync_ranks: bool = True,
         log_ranks: str = "zero",
         run_id: Optional[str] = None,
@@ -208,6 +216,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 spam_reset_scope=spam_reset_scope,
                 enable_auto_calibration=enable_auto_calibration,
                 auto_calibration_warmup_steps=auto_calibration_warmup_steps,
+                enable_helene=enable_helene,
+                helene_base_clip=helene_base_clip,
+                helene_refresh_steps=helene_refresh_steps,
                 sync_ranks=sync_ranks,
                 log_ranks=log_ranks,
                 run_id=run_id,
@@ -235,6 +246,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
         self._measured: Optional[GradStats] = None
+        self._clip_input: Optional[List[float]] = None
         self._window_max = (float("-inf"), -1)
         self._build_index()
 
@@ -308,6 +320,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         )
         if old is not None:
             self._detector.load_state_dict(old)
+        self._clipper: Optional[LayerClipper] = None
+        if cfg.enable_helene:
+            self._clipper = LayerClipper(self.base_optimizer, idx.params, idx.layer_of_param.tolist(), n_l,
+                                         base_clip=cfg.helene_base_clip, refresh_steps=cfg.helene_refresh_steps)
         self._calibrator: Optional[AutoCalibrator] = None
         if cfg.enable_auto_calibration:
             self._calibrator = AutoCalibrator(n_l, warmup=cfg.auto_calibration_warmup_steps,
@@ -438,6 +454,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             loss = self._pending_loss
         self._pending_loss = None
         step = self.counters.steps
+        self._clip_input = None
         stats, self._measured = self._measured, None
         if stats is None:
             stats = self._collector.collect(loss)
@@ -460,12 +477,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _accept(self, step: int, stats: GradStats) -> None:
         max_norm = self.config.clip_grad_norm
+        coef = 1.0
         if max_norm is not None:
             # Clip with the norm already measured: no second pass over the gradients, no sync.
             coef = max_norm / (stats.global_norm + 1e-6)
             if coef < 1.0:
                 grads = [p.grad for p in self._index.params if p.grad is not None]
                 torch._foreach_mul_(grads, coef)
+        if self._clipper is not None:
+            norms = stats.layer_norms if coef >= 1.0 else [v * coef for v in stats.layer_norms]
+            if self._clipper.apply(norms):
+                self._clip_input = norms
         if self._spam is not None:
             self._spam.step()  # the LR factor is applied around the wrapped step only
         else:
@@ -600,6 +622,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._window_max = (float("-inf"), -1)
         lr = self.param_groups[0].get("lr") if self.param_groups else None
         c = self.counters
+        post, clipped = None, None
+        if self._clip_input is not None:  # this step was accepted and clipped per layer
+            after = self._clipper.post_clip_norms(self._clip_input)  # reads the thresholds: summaries only
+            if after is not None:
+                post = math.sqrt(sum(v * v for v in after))
+                clipped = sum(1 for a, b in zip(after, self._clip_input) if a < b)
         self._emit(
             self._event(
                 StepSummary,
@@ -615,6 +643,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 nonfinite=c.nonfinite,
                 skipped=c.skipped,
                 rollbacks=c.rollbacks,
+                post_clip_global_norm=json_float(post) if post is not None else None,
+                clipped_layers=clipped,
             )
         )
 
