@@ -32,6 +32,8 @@ def records(path: Path) -> List[Any]:
         if typ == 0 and length == 0:
             pos += left
             continue
+        if pos + HEADER + length > len(data):
+            break  # a record still being written
         chunk = data[pos + HEADER:pos + HEADER + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([typ]))) & 0xFFFFFFFF == crc, f"bad checksum at byte {pos}"
         pos += HEADER + length
@@ -55,8 +57,22 @@ def _key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
-def read_run(run_dir: Path) -> Dict[str, Any]:
-    """history rows, final summary, config, alerts, files and whether the exit record is there."""
+def read_run(run_dir: Path, wait: float = 60.0) -> Dict[str, Any]:
+    """history rows, final summary, config, alerts, files and whether the exit record is there.
+
+    wandb's service writes the log asynchronously: wait (up to ``wait`` seconds) for the exit record.
+    """
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        out = _read(run_dir)
+        if out["exited"] or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _read(run_dir: Path) -> Dict[str, Any]:
     path = next(Path(run_dir).glob("run-*.wandb"))
     history, summary, config, alerts, files, exited = [], {}, {}, [], [], False
     for rec in records(path):
