@@ -475,7 +475,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise error
         return loss
 
-    def _accept(self, step: int, stats: GradStats) -> None:
+    def _accept(self, step: int, stats: GradStats, decision: Decision) -> None:
+        """Take the step: calibration bookkeeping, optional clipping, the wrapped step, snapshots."""
+        if self._calibrator is not None:
+            self._calibrate(step, decision)
         max_norm = self.config.clip_grad_norm
         coef = 1.0
         if max_norm is not None:
@@ -504,10 +507,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._window_max = (decision.max_ratio, decision.max_index)
         if decision.accepted and not decision.shifted:  # the common, fast path
             det.commit(decision, values, present)
-            if self._calibrator is not None:
-                self._calibrate(step, decision)
-            self._accept(step, stats)
-            return None
+            return self._accept(step, stats, decision)
         before = det.baselines()
         det.commit(decision, values, present)
         for i in [i for i, s in enumerate(decision.level_shift or ()) if s]:
@@ -517,10 +517,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 new_baseline=json_float(values[i]), consecutive=self.config.level_shift_patience,
             ))
         if decision.accepted:
-            if self._calibrator is not None:
-                self._calibrate(step, decision)
-            self._accept(step, stats)
-            return None
+            return self._accept(step, stats, decision)
         return self._act_on_spike(step, stats, decision, before)
 
     def _calibrate(self, step: int, decision: Decision) -> None:
