@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -223,12 +223,13 @@ class OlmoSkip(Method):
 
 class Ours(Method):
     name = "stabilityguard (ours, default)"
+    options: Dict[str, Any] = {}
 
     def __init__(self, model, lr, log_dir):
         super().__init__(model, lr, log_dir)
         from stabilityguard import GuardedOptimizer
 
-        self.opt = GuardedOptimizer(self.opt, model, log_dir=log_dir, verbose=False)
+        self.opt = GuardedOptimizer(self.opt, model, log_dir=log_dir, verbose=False, **self.options)
 
     def step(self, loss, step):
         before = self.opt.counters.skipped
@@ -243,19 +244,13 @@ class OursSpam(Ours):
     name = "ours + enable_spam"
     options = {"enable_spam": True}
 
-    def __init__(self, model, lr, log_dir):
-        Method.__init__(self, model, lr, log_dir)
-        from stabilityguard import GuardedOptimizer
 
-        self.opt = GuardedOptimizer(self.opt, model, log_dir=log_dir, verbose=False, **self.options)
-
-
-class OursCalibrated(OursSpam):
+class OursCalibrated(Ours):
     name = "ours + auto-calibration"
     options = {"enable_auto_calibration": True}
 
 
-class OursHelene(OursSpam):
+class OursHelene(Ours):
     name = "ours + helene"
     options = {"enable_helene": True}
 

@@ -122,10 +122,6 @@ class SpikeDetector:
         self._mature = low >= self._cap
         self._any_consecutive = any(self.consecutive)
 
-    def ready(self, i: int) -> bool:
-        """Whether series ``i`` is warmed up."""
-        return self.count[i] >= self._min_count
-
     def evaluate(self, values: Sequence[float], present: Optional[Sequence[bool]] = None) -> Decision:
         """Compare ``values`` with the baselines (``present=None``: all present); changes nothing."""
         nd, thr, ema = self.n_detect, self.threshold, self.ema

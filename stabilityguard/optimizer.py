@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import time
 import weakref

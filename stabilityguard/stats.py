@@ -299,7 +299,6 @@ class GradStatsCollector:
         zero, so all ranks reduce vectors of the same layout.
         """
         n = self.index.n_params
-        params = self.index.params
         if self._weights is None:
             self._weights = self._entry_weights(grads)
         device = self._weights.device

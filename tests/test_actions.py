@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from stabilityguard import GradientSpikeError, GuardedOptimizer, StabilityGuardError
+from stabilityguard import GradientSpikeError, StabilityGuardError
 from stabilityguard.testing import identical, poison_grad, scale_grad, snapshot
 
 

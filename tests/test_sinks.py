@@ -22,7 +22,7 @@ def test_verbose_true_prints_panel_and_summaries(run_factory, capsys):
     assert "Trigger layer  : blocks.1.mlp.proj" in out
     assert "Action taken   : optimizer.step() SKIPPED" in out
     assert "Loss (pre-skip): " in out and "Loss (pre-skip): n/a" not in out
-    assert f"spike_step30.json" in out
+    assert "spike_step30.json" in out
     assert out.count("[stabilityguard] step ") == 2  # summaries at steps 19 and 39
     lines = [line for line in out.splitlines() if line.startswith("║")]
     assert len({len(line) for line in lines}) == 1  # the box is aligned

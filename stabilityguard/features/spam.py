@@ -22,12 +22,11 @@ from typing import Any, Dict, Iterable, List
 
 import torch
 
+from ..config import SPAM_SCOPES
 from ..errors import ConfigError
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
               torch.optim.SGD)
-
-SCOPES = ("spiked", "all")
 
 
 class MomentumReset:
@@ -53,8 +52,8 @@ class MomentumReset:
         if not isinstance(optimizer, _SUPPORTED):
             names = ", ".join(c.__name__ for c in _SUPPORTED)
             raise ConfigError(f"enable_spam supports {names}; got {type(optimizer).__name__}")
-        if scope not in SCOPES:
-            raise ConfigError(f"spam_reset_scope must be one of 'spiked', 'all'; got {scope!r}")
+        if scope not in SPAM_SCOPES:
+            raise ConfigError(f"spam_reset_scope must be one of {', '.join(map(repr, SPAM_SCOPES))}; got {scope!r}")
         self.optimizer = optimizer
         self.lr_reduction = float(lr_reduction)
         self.recovery_steps = int(recovery_steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Union
 
 from ..events import GuardEvent, NonFinite, Spike
 from ._json import dumps
@@ -62,7 +62,6 @@ class SpikeReportSink:
 
     def __init__(self, log_dir: Union[str, Path]) -> None:
         self.log_dir = Path(log_dir)
-        self.last_path: Optional[Path] = None
 
     def path_for(self, event: GuardEvent) -> Path:
         """Where the report of ``event`` goes."""
@@ -88,4 +87,3 @@ class SpikeReportSink:
             f.write(dumps(spike_report(event), indent=2))
             f.write("\n")
         os.replace(tmp, path)
-        self.last_path = path
