@@ -19,6 +19,12 @@ SPAM_SCOPES = ("spiked", "all")
 #: The values ``log_ranks`` accepts.
 LOG_RANKS = ("zero", "all")
 
+#: The values ``eos_method`` accepts.
+EOS_METHODS = ("power", "secant", "both")
+
+#: The values ``eos_hvp`` accepts.
+EOS_HVP_MODES = ("auto", "autograd", "finite_difference")
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -115,6 +121,29 @@ class GuardConfig:
     """With ``enable_helene``: steps between two recomputations of the per-layer thresholds from the
     second moments (1 = every step; the clip itself is applied every step)."""
 
+    enable_edge_of_stability: bool = False
+    """Estimate the sharpness (top eigenvalue of the preconditioned Hessian) and compare it with the
+    optimizer's stability threshold (2/lr for SGD, 38/lr for Adam/AdamW at beta1=0.9); emits ``sharpness``
+    and ``eos_warning`` events, never skips a step (see ``stabilityguard.features.edge_of_stability``)."""
+
+    eos_check_interval: int = 10
+    """Steps between two sharpness checks (>= 1)."""
+
+    eos_power_iterations: int = 20
+    """Most Hessian-vector products of one power-iteration check (>= 1; warm-started, stops early at
+    0.1 % change)."""
+
+    eos_method: str = "power"
+    """``"power"`` (power iteration with HVPs on ``eos_probe`` or the step's closure), ``"secant"``
+    (curvature along the update from consecutive gradients: no extra passes) or ``"both"``."""
+
+    eos_hvp: str = "auto"
+    """How the power method gets Hessian-vector products: ``"auto"`` (double backward, finite
+    differences where it is unavailable), ``"autograd"`` (needs ``eos_probe``) or ``"finite_difference"``."""
+
+    eos_warning_ratio: float = 1.0
+    """Sharpness / threshold ratio from which a check emits an ``eos_warning`` event (> 0)."""
+
     sync_ranks: bool = True
     """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
     same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
@@ -176,6 +205,19 @@ class GuardConfig:
             raise ConfigError(f"enable_helene must be True or False; got {self.enable_helene!r}")
         _check_number("helene_base_clip", self.helene_base_clip, low=0.0, low_inclusive=False)
         _check_int("helene_refresh_steps", self.helene_refresh_steps, low=1)
+        if not isinstance(self.enable_edge_of_stability, bool):
+            raise ConfigError(f"enable_edge_of_stability must be True or False; got {self.enable_edge_of_stability!r}")
+        _check_int("eos_check_interval", self.eos_check_interval, low=1)
+        _check_int("eos_power_iterations", self.eos_power_iterations, low=1)
+        if self.eos_method not in EOS_METHODS:
+            raise ConfigError(
+                f"eos_method must be one of {', '.join(repr(a) for a in EOS_METHODS)}; got {self.eos_method!r}"
+            )
+        if self.eos_hvp not in EOS_HVP_MODES:
+            raise ConfigError(
+                f"eos_hvp must be one of {', '.join(repr(a) for a in EOS_HVP_MODES)}; got {self.eos_hvp!r}"
+            )
+        _check_number("eos_warning_ratio", self.eos_warning_ratio, low=0.0, low_inclusive=False)
         if not isinstance(self.sync_ranks, bool):
             raise ConfigError(f"sync_ranks must be True or False; got {self.sync_ranks!r}")
         if self.log_ranks not in LOG_RANKS:

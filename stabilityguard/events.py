@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 
@@ -42,6 +42,8 @@ class EventKind(str, Enum):
     ACTION = "action"
     BASELINE_RESET = "baseline_reset"
     CALIBRATION = "calibration"
+    SHARPNESS = "sharpness"
+    EOS_WARNING = "eos_warning"
     RUN_END = "run_end"
 
 
@@ -244,6 +246,52 @@ class Calibration(GuardEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Sharpness(GuardEvent):
+    """An edge-of-stability check (schema 1.4): the sharpness against the optimizer's threshold.
+
+    Attributes:
+        method: ``power`` (power iteration with Hessian-vector products) or ``secant`` (curvature along
+            the update from consecutive gradients).
+        sharpness: Top eigenvalue of the Hessian (SGD) or of the preconditioned Hessian ``P^-1 H`` (Adam).
+        threshold: The optimizer's stability threshold (``2/lr`` SGD, ``(2+2 beta1)/((1-beta1) lr)`` Adam).
+        ratio: ``sharpness / threshold``; 1 is the edge of stability.
+        lr: The LR the threshold was computed with (first parameter group).
+        optimizer_family: ``sgd`` or ``adam``.
+        iterations: Hessian-vector products used (power), 0 for the secant.
+        hvp: ``autograd`` or ``finite_difference`` (power), ``null`` for the secant.
+        passes: Extra forward+backward passes (or double backwards) the check cost.
+        seconds: Wall time of the check.
+        converged: The power iteration met its 0.1 % tolerance (``false`` for the secant). Both give
+            Rayleigh quotients: lower bounds on the top eigenvalue, loose when not converged.
+    """
+
+    kind: ClassVar[EventKind] = EventKind.SHARPNESS
+    method: str = "power"
+    sharpness: Optional[float] = None
+    threshold: Optional[float] = None
+    ratio: Optional[float] = None
+    lr: Optional[float] = None
+    optimizer_family: str = ""
+    iterations: int = 0
+    hvp: Optional[str] = None
+    passes: int = 0
+    seconds: Optional[float] = None
+    converged: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class EosWarning(GuardEvent):
+    """A check found ``ratio >= eos_warning_ratio`` (schema 1.4). Telemetry only: no step is skipped."""
+
+    kind: ClassVar[EventKind] = EventKind.EOS_WARNING
+    method: str = "power"
+    ratio: Optional[float] = None
+    sharpness: Optional[float] = None
+    threshold: Optional[float] = None
+    warning_ratio: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunEnd(GuardEvent):
     """The guard was closed: totals of the run."""
 
@@ -259,5 +307,6 @@ class RunEnd(GuardEvent):
 
 _KINDS: Dict[str, Type[GuardEvent]] = {
     cls.kind.value: cls
-    for cls in (RunStart, StepSummary, Spike, NonFinite, ActionTaken, BaselineReset, Calibration, RunEnd)
+    for cls in (RunStart, StepSummary, Spike, NonFinite, ActionTaken, BaselineReset, Calibration, Sharpness,
+                EosWarning, RunEnd)
 }

@@ -20,6 +20,7 @@ from .actions import RollbackManager, skip_step
 from .config import GuardConfig
 from .detector import Decision, SpikeDetector
 from .features.calibration import AutoCalibrator
+from .features.edge_of_stability import EdgeOfStabilityMonitor, SharpnessEstimate
 from .features.helene import LayerClipper
 from .features.spam import MomentumReset
 from .errors import ConfigError, GradientSpikeError
@@ -28,10 +29,12 @@ from .events import (
     ActionTaken,
     BaselineReset,
     Calibration,
+    EosWarning,
     GuardEvent,
     NonFinite,
     RunEnd,
     RunStart,
+    Sharpness,
     Spike,
     StepSummary,
     json_float,
@@ -136,6 +139,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
             estimated from Adam's second moments (after detection, which sees the unclipped norms).
         helene_base_clip: Scale of those per-layer thresholds.
         helene_refresh_steps: Steps between recomputations of those thresholds (the clip runs every step).
+        enable_edge_of_stability: Every ``eos_check_interval`` steps, estimate the sharpness (top eigenvalue
+            of the Hessian, preconditioned by Adam's second moments for Adam) and compare it with the
+            optimizer's stability threshold; emits ``sharpness`` and ``eos_warning`` events, never skips.
+        eos_check_interval: Steps between sharpness checks.
+        eos_power_iterations: Most Hessian-vector products per power-iteration check.
+        eos_method: ``"power"`` (needs ``eos_probe`` or ``step(closure)``), ``"secant"`` (curvature along
+            the update from consecutive gradients, no extra passes) or ``"both"``.
+        eos_hvp: ``"auto"``, ``"autograd"`` or ``"finite_difference"`` Hessian-vector products.
+        eos_warning_ratio: Sharpness / threshold from which a check emits ``eos_warning``.
+        eos_probe: Callable returning the loss on a fixed probe batch (no ``backward()`` inside), for
+            ``eos_method="power"``; without it the step's closure is re-evaluated.
         sync_ranks: Under ``torch.distributed``: one small all-reduce per step so all ranks decide alike.
         log_ranks: ``"zero"`` (only rank 0 writes console/JSONL/reports/extra sinks) or ``"all"``.
         run_id: Run identifier written in every event (generated when ``None``; under
@@ -182,6 +196,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         enable_helene: bool = False,
         helene_base_clip: float = 1.0,
         helene_refresh_steps: int = 10,
+        enable_edge_of_stability: bool = False,
+        eos_check_interval: int = 10,
+        eos_power_iterations: int = 20,
+        eos_method: str = "power",
+        eos_hvp: str = "auto",
+        eos_warning_ratio: float = 1.0,
+        eos_probe: Optional[Callable[[], torch.Tensor]] = None,
         sync_ranks: bool = True,
         log_ranks: str = "zero",
         run_id: Optional[str] = None,
@@ -218,6 +239,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 enable_helene=enable_helene,
                 helene_base_clip=helene_base_clip,
                 helene_refresh_steps=helene_refresh_steps,
+                enable_edge_of_stability=enable_edge_of_stability,
+                eos_check_interval=eos_check_interval,
+                eos_power_iterations=eos_power_iterations,
+                eos_method=eos_method,
+                eos_hvp=eos_hvp,
+                eos_warning_ratio=eos_warning_ratio,
                 sync_ranks=sync_ranks,
                 log_ranks=log_ranks,
                 run_id=run_id,
@@ -263,6 +290,23 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if config.enable_spam:
             self._spam = MomentumReset(base_opt, lr_reduction=config.spam_lr_reduction,
                                        recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope)
+
+        self._eos: Optional[EdgeOfStabilityMonitor] = None
+        self._eos_next = (0, 0)  # next step of a power check, of a secant hold
+        if config.enable_edge_of_stability:
+            if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                    and torch.distributed.get_world_size() > 1:
+                raise ConfigError(
+                    "enable_edge_of_stability is single-process for now (its extra passes would run on each "
+                    f"rank's shard without the collectives); got world size {torch.distributed.get_world_size()}"
+                )
+            self._eos = EdgeOfStabilityMonitor(
+                base_opt, self._index.params, model, interval=config.eos_check_interval,
+                power_iterations=config.eos_power_iterations, method=config.eos_method, hvp=config.eos_hvp,
+                probe=eos_probe, warning_ratio=config.eos_warning_ratio, adam_warmup=config.warmup_steps,
+            )
+        elif eos_probe is not None:
+            raise ConfigError("eos_probe is only used with enable_edge_of_stability=True; got enable_edge_of_stability=False")
 
         self._rollback: Optional[RollbackManager] = None
         if config.nan_action == Action.ROLLBACK.value:
@@ -458,6 +502,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if stats is None:
             stats = self._collector.collect(loss)
         self.last_stats = stats
+        if self._eos is not None:
+            try:
+                self._eos_observe(step, stats, closure)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - telemetry must not stop training
+                logger.warning("stabilityguard: edge-of-stability check failed at step %d (%s: %s); the "
+                               "telemetry is off for the rest of the run", step, type(exc).__name__, exc)
+                self._eos = None
         error: Optional[GradientSpikeError] = None
         try:
             if stats.finite:
@@ -478,6 +531,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Take the step: calibration bookkeeping, optional clipping, the wrapped step, snapshots."""
         if self._calibrator is not None:
             self._calibrate(step, decision)
+        if self._eos is not None and self._eos.uses_secant and step >= self._eos_next[1]:
+            self._eos.hold(step)  # raw gradients and parameters before this update (secant estimate)
+            self._eos_next = (self._eos_next[0], step + self.config.eos_check_interval)
         max_norm = self.config.clip_grad_norm
         coef = 1.0
         if max_norm is not None:
@@ -497,6 +553,39 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.counters.accepted += 1
         if self._rollback is not None:
             self._rollback.after_accepted_step(step + 1)
+
+    def _eos_observe(self, step: int, stats: GradStats, closure: Optional[Callable[[], Any]]) -> None:
+        """Edge-of-stability telemetry at this step: never changes the decision, the gradients or the
+        statistics (the power check differentiates its own loss with ``torch.autograd.grad``)."""
+        eos = self._eos
+        assert eos is not None
+        if not stats.finite:
+            eos.drop_held()
+            return
+        if eos.uses_secant:
+            est = eos.secant_check(step)
+            if est is not None:
+                self._emit_sharpness(step, est)
+        if eos.uses_power and step >= self._eos_next[0]:
+            est = eos.power_check(closure)
+            if est is not None:
+                self._eos_next = (step + self.config.eos_check_interval, self._eos_next[1])
+                self._emit_sharpness(step, est)
+
+    def _emit_sharpness(self, step: int, est: SharpnessEstimate) -> None:
+        assert self._eos is not None
+        self._emit(self._event(
+            Sharpness, step, method=est.method, sharpness=json_float(est.sharpness),
+            threshold=json_float(est.threshold), ratio=json_float(est.ratio), lr=json_float(est.lr),
+            optimizer_family=self._eos.family, iterations=est.iterations, hvp=est.hvp, passes=est.passes,
+            seconds=round(est.seconds, 6), converged=est.converged,
+        ))
+        if est.ratio >= self.config.eos_warning_ratio:
+            self._emit(self._event(
+                EosWarning, step, method=est.method, ratio=json_float(est.ratio),
+                sharpness=json_float(est.sharpness), threshold=json_float(est.threshold),
+                warning_ratio=self.config.eos_warning_ratio,
+            ))
 
     def _on_finite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
         det = self._detector
@@ -610,6 +699,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             assert self._rollback is not None
             to = self._rollback.restore()
             self.counters.rollbacks += 1
+            if self._eos is not None:
+                self._eos.drop_held()
             return action, to
         return action, None  # raise: leave weights, state and grads for inspection
 
@@ -667,6 +758,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             out["spam"] = self._spam.state_dict()
         if self._calibrator is not None:
             out["calibration"] = self._calibrator.state_dict()
+        if self._eos is not None:
+            out["edge_of_stability"] = self._eos.state_dict() | {"next": list(self._eos_next)}
         return out
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
@@ -685,6 +778,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if self._calibrator.calibrated:
                 self._detector.limits = self._calibrator.thresholds
                 self._detector.suspended = False
+        if self._eos is not None and "edge_of_stability" in state:
+            eos_state = state["edge_of_stability"]
+            self._eos.load_state_dict(eos_state)
+            nxt = eos_state.get("next", [0, 0])
+            self._eos_next = (int(nxt[0]), int(nxt[1]))
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"``."""

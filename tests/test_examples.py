@@ -14,13 +14,19 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def test_features_example_runs_every_implemented_feature(capsys):
     main = runpy.run_path(str(EXAMPLES / "v0.2.0_features.py"), run_name="example")["main"]
     out = main(["--steps", "240"])
-    assert set(out) == {"enable_spam", "enable_auto_calibration", "enable_helene"}
+    assert set(out) == {"enable_spam", "enable_auto_calibration", "enable_helene", "enable_edge_of_stability"}
     for name, r in out.items():
         assert r["weights_finite"] and r["counters"].nonfinite == 1, name
     assert out["enable_spam"]["counters"].spikes == 1  # the x1000 spike at step 150
     assert out["enable_helene"]["counters"].spikes == 1
+    eos = out["enable_edge_of_stability"]
+    assert eos["counters"].spikes == 1 and eos["counters"].skipped == 2  # telemetry skips nothing itself
+    checks = [e for e in eos["events"] if e["kind"] == "sharpness"]
+    assert {e["method"] for e in checks} == {"power", "secant"}
+    assert all(e["threshold"] == pytest.approx(38.0 / 3e-3) for e in checks)
     printed = capsys.readouterr().out
     assert "tensors reset, LR x0.5" in printed and "calibrated at step 109" in printed and "clipped" in printed
+    assert "power: " in printed and "sharpness/threshold median" in printed
 
 
 def test_quickstart_quiet_without_trackers(tmp_path, capsys):

@@ -33,7 +33,7 @@ def test_mlflow_bridge_logs_metrics_params_tags_artifacts(run_factory, mlflow_se
     from stabilityguard.integrations.mlflow import MLflowBridge
 
     bridge = MLflowBridge(mlflow_server.uri, experiment_name="bridge-test", run_name="guarded")
-    run = run_factory(sinks=[bridge], log_every=10)
+    run = run_factory(sinks=[bridge], log_every=10, enable_edge_of_stability=True, eos_method="secant")
     run.train(50, faults={30: lambda m: scale_grad(m.head, 1000.0), 40: lambda m: poison_grad(m.head)})
     run.opt.close()
     assert bridge.failed == 0
@@ -47,6 +47,9 @@ def test_mlflow_bridge_logs_metrics_params_tags_artifacts(run_factory, mlflow_se
     norms = _history(client, bridge.run_id, "sg/global_grad_norm")
     assert [s for s, _ in norms] == [9, 19, 29, 39, 49]
     assert [v for _, v in norms] == pytest.approx([e["global_norm"] for e in summaries])
+    checks = [e for e in events if e["kind"] == "sharpness"]
+    eos = _history(client, bridge.run_id, "sg/sharpness_secant")
+    assert len(checks) >= 3 and eos == [(e["step"], pytest.approx(e["sharpness"])) for e in checks]
     assert r.data.params["sg.spike_threshold"] == "10.0" and r.data.params["sg.optimizer"] == "AdamW"
     assert r.data.tags["sg.spikes"] == "1" and r.data.tags["sg.nonfinite"] == "1" and r.data.tags["sg.skipped"] == "2"
     assert r.data.tags["stabilityguard.run_id"] == run.opt.run_id

@@ -36,7 +36,8 @@ def test_wandb_bridge_offline_run_has_exact_metrics(run_factory, wandb_offline):
     from stabilityguard.integrations.wandb import WandBBridge
 
     bridge = WandBBridge(project="sg-test", dir=str(wandb_offline), alert_ratio=100.0)
-    run = run_factory(sinks=[bridge], log_every=10)
+    run = run_factory(sinks=[bridge], log_every=10, enable_edge_of_stability=True, eos_method="secant",
+                      eos_warning_ratio=1e-9)
     run_dir = bridge.run.dir
     run.train(50, faults={30: lambda m: scale_grad(m.head, 1000.0), 40: lambda m: poison_grad(m.head)})
     run.opt.close()
@@ -55,6 +56,11 @@ def test_wandb_bridge_offline_run_has_exact_metrics(run_factory, wandb_offline):
     assert [h["sg/step"] for h in logged] == [e["step"] for e in summaries] == [9, 19, 29, 39, 49]
     assert [h["sg/global_grad_norm"] for h in logged] == pytest.approx([e["global_norm"] for e in summaries])
     assert logged[-1]["sg/skipped_total"] == 2.0
+    checks = [e for e in events if e["kind"] == "sharpness"]
+    eos = [h for h in hist if "sg/eos_ratio_secant" in h]
+    assert len(checks) >= 3 and [h["sg/step"] for h in eos] == [e["step"] for e in checks]
+    assert [h["sg/eos_ratio_secant"] for h in eos] == pytest.approx([e["ratio"] for e in checks])
+    assert [h["sg/step"] for h in hist if "sg/eos_warning" in h] == [e["step"] for e in checks]
     assert wb["summary"]["sg/spikes"] == 1 and wb["summary"]["sg/nonfinite"] == 1 and wb["summary"]["sg/steps"] == 50
     assert wb["config"]["stabilityguard"]["spike_threshold"] == 10.0
     assert [a["title"] for a in wb["alerts"]] == ["stabilityguard: gradient spike x%d at step 30" % round(spike["ratio"])]

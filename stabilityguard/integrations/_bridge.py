@@ -10,6 +10,9 @@ at a spike / NaN step     ``sg/spike_ratio`` (spikes), ``sg/nonfinite`` (1.0 on 
                           ``sg/spike_grad_norm``, ``sg/action`` (1 skip, 2 rollback, 3 raise), and
                           ``sg/layer_ratio/<layer>`` for at most ``max_layer_metrics`` layers
 at a level shift          ``sg/baseline_reset`` (1.0)
+at an edge-of-stability   ``sg/eos_ratio``, ``sg/sharpness``, ``sg/eos_threshold`` (power method; the
+check (sharpness)         secant method's carry a ``_secant`` suffix), ``sg/eos_warning`` (1.0 when the
+                          ratio reached ``eos_warning_ratio``)
 ========================  ===========================================================================
 
 Every value is logged at the guard step (``step`` of the event), so spikes line up with the summaries.
@@ -25,7 +28,9 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..errors import ConfigError
-from ..events import ActionTaken, BaselineReset, GuardEvent, NonFinite, RunEnd, RunStart, Spike, StepSummary
+from ..events import (
+    ActionTaken, BaselineReset, EosWarning, GuardEvent, NonFinite, RunEnd, RunStart, Sharpness, Spike, StepSummary,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,14 @@ def incident_metrics(e: Spike, max_layer_metrics: int) -> Dict[str, float]:
         for layer, ratio in top:
             out[f"sg/layer_ratio/{layer}"] = float(ratio)
     return out
+
+
+def sharpness_metrics(e: Sharpness) -> Dict[str, float]:
+    """The ``sg/`` scalars of an edge-of-stability check (``None`` values left out)."""
+    suffix = "" if e.method == "power" else f"_{e.method}"
+    out = {f"sg/eos_ratio{suffix}": e.ratio, f"sg/sharpness{suffix}": e.sharpness,
+           f"sg/eos_threshold{suffix}": e.threshold}
+    return {k: float(v) for k, v in out.items() if v is not None}
 
 
 def incident_row(e: Spike) -> Dict[str, Any]:
@@ -199,6 +212,10 @@ class TrackerBridge:
                 self._on_end(event)
             elif isinstance(event, ActionTaken):
                 self._on_action(event)
+            elif isinstance(event, Sharpness):
+                self._scalars(event.step, sharpness_metrics(event))
+            elif isinstance(event, EosWarning):
+                self._scalars(event.step, {"sg/eos_warning": 1.0})
             self.delivered += 1
         except Exception as exc:  # noqa: BLE001 - a tracker failure must not stop training
             self.failed += 1
@@ -218,6 +235,7 @@ class TrackerBridge:
     def _on_reset(self, e: BaselineReset) -> None: ...
     def _on_end(self, e: RunEnd) -> None: ...
     def _finish(self) -> None: ...
+    def _scalars(self, step: int, metrics: Dict[str, float]) -> None: ...
 
     # -- run-end files -------------------------------------------------------------------------------
     def run_files(self) -> Dict[str, Any]:

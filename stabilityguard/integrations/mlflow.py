@@ -120,6 +120,9 @@ class MLflowBridge(TrackerBridge):
         if items:
             self.client.log_batch(run_id, metrics=items)
 
+    def _scalars(self, step: int, metrics: Dict[str, float]) -> None:
+        self._metrics(step, metrics)
+
     def _ensure_run_for_step(self) -> str:
         if self.run_id is None:
             raise RuntimeError("MLflowBridge received events before run_start")

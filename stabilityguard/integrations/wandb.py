@@ -67,6 +67,9 @@ class WandBBridge(TrackerBridge):
     def _log(self, step: int, metrics: Dict[str, float]) -> None:
         self.run.log({"sg/step": step, **finite(metrics)})
 
+    def _scalars(self, step: int, metrics: Dict[str, float]) -> None:
+        self._log(step, metrics)
+
     def _on_start(self, e: RunStart) -> None:
         self.run.config.update({"stabilityguard": {**e.config, "optimizer": e.optimizer, "n_layers": e.n_layers,
                                                    "version": e.version}}, allow_val_change=True)

@@ -62,6 +62,8 @@ class RunLog:
         problems: Lines that could not be read in the files loaded with this run.
         ranks: Ranks whose records were read (per-rank logs of one run are merged: incidents once per
             step, summaries from the lowest rank).
+        sharpness: ``sharpness`` rows of edge-of-stability checks (step, method, sharpness, threshold,
+            ratio, lr, iterations, hvp, converged); empty without ``enable_edge_of_stability``.
     """
 
     run_id: str
@@ -75,6 +77,7 @@ class RunLog:
     layer_ratios: Any
     problems: List[Problem] = field(default_factory=list)
     ranks: List[int] = field(default_factory=list)
+    sharpness: Any = None
 
     @property
     def config(self) -> Dict[str, Any]:
@@ -111,6 +114,7 @@ class _RunBuilder:
         self.ratio_value = array("d")
         self.actions: List[Dict[str, Any]] = []
         self.resets: List[Dict[str, Any]] = []
+        self.sharpness: List[tuple] = []
         self.ranks: set = set()
         self.summary_rank: Optional[int] = None
 
@@ -147,6 +151,8 @@ class _RunBuilder:
         elif kind == "baseline_reset":
             if not any((r["step"], r["layer"]) == (rec.get("step"), rec.get("layer")) for r in self.resets[-8:]):
                 self.resets.append(rec)
+        elif kind == "sharpness":  # edge-of-stability checks are single-process
+            self.sharpness.append(tuple(rec.get(k) for k in _SHARPNESS_COLS))
         elif kind == "run_start":
             if not self.start or rank < int(self.start.get("rank") or 0):
                 self.start = rec
@@ -232,10 +238,13 @@ class _RunBuilder:
             "layer": pd.Categorical.from_codes(col(self.ratio_layer, np.int32), categories=names),
             "ratio": col(self.ratio_value, np.float64),
         })
+        sharpness = pd.DataFrame(self.sharpness, columns=list(_SHARPNESS_COLS))
+        sharpness = sharpness.astype({"sharpness": float, "threshold": float, "ratio": float, "lr": float})
         return RunLog(self.run_id, self.start, self.end, steps, incidents, layer_incidents, actions, resets,
-                      layer_ratios, list(problems), sorted(self.ranks))
+                      layer_ratios, list(problems), sorted(self.ranks), sharpness)
 
 
+_SHARPNESS_COLS = ("step", "method", "sharpness", "threshold", "ratio", "lr", "iterations", "hvp", "converged")
 _NAN = float("nan")
 _INF = float("inf")
 

@@ -141,6 +141,33 @@ def _table(df: Any, index_name: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
+def _eos_section(run: RunLog, listed: int = 10) -> List[str]:
+    """The edge-of-stability checks of the run, if it made any."""
+    sh = run.sharpness
+    if sh is None or not len(sh):
+        return []
+    level = float(run.config.get("eos_warning_ratio") or 1.0)
+    out = ["## Edge of stability", "",
+           "Sharpness against the optimizer's stability threshold (telemetry: no step was skipped for it).", "",
+           "| method | checks | median ratio | max ratio (step) | checks at or above " + f"{level:g} |",
+           "|---|---|---|---|---|"]
+    for method, g in sh.groupby("method", sort=True):
+        r = g["ratio"]
+        top = g.loc[r.idxmax()] if r.notna().any() else None
+        peak = f"{_fmt(top['ratio'])} ({int(top['step'])})" if top is not None else "n/a"
+        out.append(f"| {md_escape(method)} | {len(g)} | {_fmt(r.median())} | {peak} | {int((r >= level).sum())} |")
+    warn = sh[sh["ratio"] >= level]
+    out.append("")
+    for _, w in warn.head(listed).iterrows():
+        out.append(f"- step {int(w['step'])}: {md_escape(w['method'])} sharpness {_fmt(w['sharpness'])} = "
+                   f"{_fmt(w['ratio'])}x the threshold {_fmt(w['threshold'])}")
+    if len(warn) > listed:
+        out.append(f"- ... {len(warn) - listed} more; the event log has them all")
+    if len(warn):
+        out.append("")
+    return out
+
+
 def postmortem_markdown(
     run: RunLog, images: Optional[Dict[str, str]] = None, top: int = 10, max_clusters: int = 30,
     per_cluster: int = 10,
@@ -208,6 +235,7 @@ def postmortem_markdown(
     out += [_table(ranking.head(top), "layer") if len(ranking) else "No layer was over the threshold.", ""]
     if images and images.get("heatmap") and len(inc):
         out += [f"![layer x step ratios]({images['heatmap']})", ""]
+    out += _eos_section(run)
     out += ["## What to try next", ""] + [f"{i}. {t}" for i, t in enumerate(next_steps(run), 1)] + [""]
     cfg = run.config
     if cfg:

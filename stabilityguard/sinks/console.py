@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from typing import IO, List, Optional, Union
 
-from ..events import ActionTaken, BaselineReset, Calibration, GuardEvent, NonFinite, RunEnd, Spike, StepSummary
+from ..events import (
+    ActionTaken, BaselineReset, Calibration, EosWarning, GuardEvent, NonFinite, RunEnd, Spike, StepSummary,
+)
 
 _WIDTH = 62  # inner width of the panel
 
@@ -80,6 +82,12 @@ class ConsoleSink:
                     f"[stabilityguard] step {event.step}: auto-calibration done, {len(th)} layer thresholds "
                     f"from {_fmt(th[0])} to {_fmt(th[-1])} (median {_fmt(th[len(th) // 2])})"
                 )
+        elif isinstance(event, EosWarning):
+            self._print(
+                f"[stabilityguard] step {event.step}: edge of stability ({event.method}): sharpness "
+                f"{_fmt(event.sharpness)} is {_fmt(event.ratio)}x the stability threshold {_fmt(event.threshold)}; "
+                "telemetry only, the step was not skipped"
+            )
         elif isinstance(event, RunEnd):
             self._print(
                 f"[stabilityguard] run end after {event.steps} steps: {event.spikes} spikes, "

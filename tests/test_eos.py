@@ -1,0 +1,327 @@
+"""Edge-of-stability telemetry: exact on known Hessians, invisible to training, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stabilityguard import ConfigError, GuardedOptimizer
+from stabilityguard.features.edge_of_stability import EdgeOfStabilityMonitor, stability_constant
+from stabilityguard.integrations._bridge import sharpness_metrics
+from stabilityguard.events import Sharpness
+from stabilityguard.testing import MarkovData, TinyGPT
+
+
+def _events(log_dir: Path, kind: str) -> list:
+    out = []
+    for f in Path(log_dir).glob("events-*.jsonl"):
+        out += [json.loads(line) for line in f.read_text().splitlines()]
+    return [e for e in out if e["kind"] == kind]
+
+
+def _regression(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 5, generator=g)
+    y = torch.randn(64, 1, generator=g)
+    torch.manual_seed(seed)  # the init: the eigen-gap (and so the power iteration's accuracy) depends on it
+    model = torch.nn.Linear(5, 1, bias=False)
+    hessian = 2 * x.T @ x / 64  # of the mean squared error
+    return model, x, y, hessian
+
+
+@pytest.mark.parametrize("hvp", ["autograd", "finite_difference"])
+def test_power_check_finds_the_top_hessian_eigenvalue_sgd(hvp):
+    model, x, y, hessian = _regression()
+    lr = 0.5
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    mon = EdgeOfStabilityMonitor(opt, list(model.parameters()), model, power_iterations=100, hvp=hvp,
+                                 probe=lambda: (model(x) - y).pow(2).mean())
+    est = mon.power_check()
+    exact = torch.linalg.eigvalsh(hessian.double()).max().item()
+    assert est.sharpness == pytest.approx(exact, rel=5e-3)
+    assert est.threshold == pytest.approx(2 / lr)
+    assert est.ratio == pytest.approx(exact * lr / 2, rel=5e-3)
+    assert est.hvp == hvp and est.converged
+
+
+def test_momentum_and_weight_decay_move_the_sgd_threshold():
+    p = [torch.zeros(2, requires_grad=True)]
+    assert stability_constant(torch.optim.SGD(p, lr=0.1)) == ("sgd", 2.0)
+    assert stability_constant(torch.optim.SGD(p, lr=0.1, momentum=0.9))[1] == pytest.approx(3.8)
+    assert stability_constant(torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True))[1] == pytest.approx(3.8 / 2.8)
+    assert stability_constant(torch.optim.Adam(p, betas=(0.9, 0.999)))[1] == pytest.approx(38.0)
+    # Coupled weight decay adds wd to every eigenvalue of the SGD update's Hessian.
+    model, x, y, hessian = _regression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.3)
+    mon = EdgeOfStabilityMonitor(opt, list(model.parameters()), model, power_iterations=100,
+                                 probe=lambda: (model(x) - y).pow(2).mean())
+    exact = torch.linalg.eigvalsh(hessian.double()).max().item()
+    assert mon.power_check().sharpness == pytest.approx(exact + 0.3, rel=5e-3)
+
+
+def test_adam_preconditioned_sharpness_matches_the_dense_computation():
+    model, x, y, hessian = _regression(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    for _ in range(5):
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+    mon = EdgeOfStabilityMonitor(opt, list(model.parameters()), model, power_iterations=200,
+                                 probe=lambda: (model(x) - y).pow(2).mean())
+    est = mon.power_check()
+    st = opt.state[model.weight]
+    v_hat = st["exp_avg_sq"].flatten().double() / (1 - 0.99 ** float(st["step"]))
+    p_inv_sqrt = torch.diag(1 / (v_hat.sqrt() + 1e-8)).sqrt()
+    exact = torch.linalg.eigvalsh(p_inv_sqrt @ hessian.double() @ p_inv_sqrt).max().item()
+    assert est.sharpness == pytest.approx(exact, rel=5e-3)
+    assert est.threshold == pytest.approx(38.0 / 0.01)
+
+
+def test_a_dominant_negative_eigenvalue_does_not_hide_the_top_positive_one():
+    # loss = 0.5 theta^T diag(-10, 3, 1) theta: power iteration alone converges to -10.
+    theta = torch.nn.Parameter(torch.tensor([0.3, -0.2, 0.5]))
+    h = torch.tensor([-10.0, 3.0, 1.0])
+    opt = torch.optim.SGD([theta], lr=0.1)
+    mon = EdgeOfStabilityMonitor(opt, [theta], None, power_iterations=300, hvp="autograd",
+                                 probe=lambda: 0.5 * (h * theta * theta).sum())
+    est = mon.power_check()
+    assert est.sharpness == pytest.approx(3.0, rel=1e-2)
+
+
+def test_finite_differences_agree_with_double_backward_on_a_transformer():
+    # Under the math attention kernel double backward works on CPU; the fallback must agree with it.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=1, n_head=2)
+    x, y = MarkovData(vocab_size=32).batch(8, 16)
+
+    def probe():
+        with sdpa_kernel(SDPBackend.MATH):
+            return model.loss(x, y)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {}
+    for hvp in ("autograd", "finite_difference"):
+        mon = EdgeOfStabilityMonitor(opt, list(model.parameters()), model, power_iterations=200, hvp=hvp, probe=probe)
+        out[hvp] = mon.power_check()
+    assert out["finite_difference"].sharpness == pytest.approx(out["autograd"].sharpness, rel=1e-2)
+
+
+def _train(tmp_path, steps=25, closure=False, model_kind="bn", **eos):
+    torch.manual_seed(0)
+    if model_kind == "bn":  # dropout and batch-norm: the checks must not move their RNG or buffers
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                    torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
+    px, py = data[0]
+    if eos.get("enable_edge_of_stability") and eos.get("eos_method", "power") != "secant" and not closure:
+        eos.setdefault("eos_probe", lambda: (model(px) - py).pow(2).mean())
+    opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, log_dir=tmp_path,
+                           verbose=False, log_every=1, **eos)
+    for x, y in data:
+        if closure:
+            def fn(x=x, y=y):
+                opt.zero_grad()
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                return loss
+            opt.step(fn)
+        else:
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+    opt.close()
+    return model, opt
+
+
+@pytest.mark.parametrize("method", ["power", "secant", "both"])
+def test_checks_leave_the_training_trajectory_bit_identical(tmp_path, method):
+    plain, _ = _train(tmp_path / "plain")
+    watched, opt = _train(tmp_path / "eos", enable_edge_of_stability=True, eos_method=method, eos_check_interval=5)
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+        assert torch.equal(a, b)
+    norms = [e["global_norm"] for e in _events(tmp_path / "plain", "step_summary")]
+    assert norms == [e["global_norm"] for e in _events(tmp_path / "eos", "step_summary")]
+    checks = _events(tmp_path / "eos", "sharpness")
+    methods = {"power": {"power"}, "secant": {"secant"}, "both": {"power", "secant"}}[method]
+    assert {e["method"] for e in checks} == methods
+    assert all(e["threshold"] == pytest.approx(38.0 / 1e-2) for e in checks)
+    if "power" in methods:
+        power_steps = [e["step"] for e in checks if e["method"] == "power"]
+        # Adam: the first check once its state has warmup_steps (10) updates, then every 5.
+        assert power_steps == [10, 15, 20]
+    if "secant" in methods:  # held at 0, 5, 10, ... and measured on the next step, from 10 updates on
+        assert [e["step"] for e in checks if e["method"] == "secant"] == [11, 16, 21]
+
+
+def test_closure_checks_restore_the_closure_gradients(tmp_path):
+    plain, _ = _train(tmp_path / "plain", closure=True, model_kind="tanh")
+    watched, opt = _train(tmp_path / "eos", closure=True, model_kind="tanh", enable_edge_of_stability=True,
+                          eos_check_interval=4)
+    for a, b in zip(plain.state_dict().values(), watched.state_dict().values()):
+        assert torch.equal(a, b)
+    checks = _events(tmp_path / "eos", "sharpness")
+    assert checks and all(e["hvp"] == "finite_difference" for e in checks)  # a closure runs its own backward
+
+
+def test_cpu_attention_falls_back_to_finite_differences(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=1, n_head=2)
+    data = MarkovData(vocab_size=32)
+    px, py = data.batch(8, 16)
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=tmp_path, verbose=False,
+                           enable_edge_of_stability=True, eos_check_interval=3, eos_probe=lambda: model.loss(px, py))
+    for _ in range(7):
+        x, y = data.batch(8, 16)
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    checks = _events(tmp_path, "sharpness")
+    assert [e["step"] for e in checks] == [0, 3, 6]
+    assert {e["hvp"] for e in checks} == {"finite_difference"}
+    assert all(e["sharpness"] > 0 and e["passes"] == 2 * e["iterations"] for e in checks)
+
+
+def test_warnings_are_telemetry_only(tmp_path):
+    # A quadratic with top curvature 3 trained by SGD at lr=1: threshold 2, ratio 1.5 at every check.
+    theta = torch.nn.Parameter(torch.tensor([1.0, 1.0]))
+    h = torch.tensor([3.0, 0.5])
+
+    def loss_fn():
+        return 0.5 * (h * theta * theta).sum()
+
+    opt = GuardedOptimizer(torch.optim.SGD([theta], lr=1.0), None, log_dir=tmp_path, verbose=False,
+                           warmup_steps=100, enable_edge_of_stability=True, eos_check_interval=2,
+                           eos_method="both", eos_probe=loss_fn)
+    for _ in range(6):
+        loss = loss_fn()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    assert opt.counters.skipped == 0 and opt.counters.accepted == 6
+    warnings = _events(tmp_path, "eos_warning")
+    power = [w for w in warnings if w["method"] == "power"]
+    assert [w["step"] for w in power] == [0, 2, 4]
+    assert all(w["ratio"] == pytest.approx(1.5, rel=1e-3) for w in power)
+    # Full batch on a quadratic: the secant along the update is a Rayleigh quotient of H, here exactly 3
+    # (SGD at lr=1 on the 0.5 direction converges while the 3 direction oscillates and dominates d).
+    secant = [e for e in _events(tmp_path, "sharpness") if e["method"] == "secant"]
+    assert secant and all(0.5 <= e["sharpness"] <= 3.0 + 1e-6 for e in secant)
+
+
+def test_secant_is_the_rayleigh_quotient_along_the_update():
+    theta = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    h = torch.tensor([4.0, 1.0, 0.25])
+    opt = torch.optim.SGD([theta], lr=0.1)
+    mon = EdgeOfStabilityMonitor(opt, [theta], None, method="secant")
+    (0.5 * (h * theta * theta).sum()).backward()
+    mon.hold(0)
+    before = theta.detach().clone()
+    opt.step()
+    opt.zero_grad()
+    (0.5 * (h * theta * theta).sum()).backward()
+    est = mon.secant_check(1)
+    d = theta.detach() - before
+    assert est.sharpness == pytest.approx(float((d * h * d).sum() / (d * d).sum()), rel=1e-5)
+    assert est.passes == 0 and est.hvp is None
+
+
+def test_bad_edge_of_stability_arguments_fail_at_construction():
+    m = torch.nn.Linear(2, 1)
+
+    def make(opt=None, **kw):
+        return GuardedOptimizer(opt or torch.optim.AdamW(m.parameters()), m, log_dir=None, verbose=False, **kw)
+
+    cases = {
+        "eos_check_interval": dict(enable_edge_of_stability=True, eos_check_interval=0),
+        "eos_power_iterations": dict(enable_edge_of_stability=True, eos_power_iterations=-1),
+        "eos_method": dict(enable_edge_of_stability=True, eos_method="lanczos"),
+        "eos_hvp": dict(enable_edge_of_stability=True, eos_hvp="exact"),
+        "eos_warning_ratio": dict(enable_edge_of_stability=True, eos_warning_ratio=0),
+        "enable_edge_of_stability": dict(enable_edge_of_stability="yes"),
+    }
+    for name, kw in cases.items():
+        with pytest.raises(ConfigError, match=name) as info:
+            make(**kw)
+        assert "got" in str(info.value)
+    for other in (torch.optim.RMSprop(m.parameters()), torch.optim.NAdam(m.parameters())):
+        with pytest.raises(ConfigError, match=f"SGD, torch.optim.Adam or torch.optim.AdamW.*got {type(other).__name__}"):
+            make(other, enable_edge_of_stability=True, eos_method="secant")
+    with pytest.raises(ConfigError, match="eos_probe is only used with enable_edge_of_stability"):
+        make(eos_probe=lambda: m.weight.sum())
+    with pytest.raises(ConfigError, match="eos_hvp='autograd' needs eos_probe"):
+        make(enable_edge_of_stability=True, eos_hvp="autograd")
+    with pytest.raises(ConfigError, match="eos_probe must be a callable"):
+        make(enable_edge_of_stability=True, eos_probe=3)
+
+
+def test_power_method_without_a_loss_fails_at_the_first_step():
+    m = torch.nn.Linear(2, 1)
+    opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
+                           enable_edge_of_stability=True)
+    m(torch.randn(4, 2)).sum().backward()
+    with pytest.raises(ConfigError, match="eos_probe=.*step\\(closure\\).*eos_method='secant'"):
+        opt.step()
+    secant = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
+                              enable_edge_of_stability=True, eos_method="secant")
+    secant.step()  # needs no loss
+
+
+def test_a_failing_probe_turns_the_telemetry_off_not_the_training(caplog):
+    m = torch.nn.Linear(2, 1)
+
+    def broken_probe():
+        raise RuntimeError("probe data loader died")
+
+    opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
+                           enable_edge_of_stability=True, eos_probe=broken_probe)
+    before = m.weight.detach().clone()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            m(torch.randn(4, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.counters.accepted == 3 and not torch.equal(before, m.weight)
+    assert "edge-of-stability check failed at step 0 (RuntimeError: probe data loader died)" in caplog.text
+
+
+def test_guard_state_round_trip_keeps_the_schedule_and_counts(tmp_path):
+    _, opt = _train(tmp_path / "a", steps=12, enable_edge_of_stability=True, eos_method="both", eos_check_interval=5)
+    state = opt.guard_state_dict()
+    eos = state["edge_of_stability"]
+    assert eos["checks"] == 2 and eos["next"] == [15, 15] and eos["hvp_mode"] == "auto"
+    json.dumps(state)  # JSON-native
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                            torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+    fresh = GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), m, log_dir=None, verbose=False,
+                             enable_edge_of_stability=True, eos_method="both", eos_check_interval=5,
+                             eos_probe=lambda: m(torch.ones(4, 8)).sum())
+    fresh.load_guard_state_dict(state)
+    assert fresh.guard_state_dict()["edge_of_stability"] == eos
+
+
+def test_sharpness_events_reach_the_trackers_and_the_report(tmp_path):
+    e = Sharpness(run_id="r", step=10, method="secant", sharpness=50.0, threshold=100.0, ratio=0.5, lr=0.02)
+    assert sharpness_metrics(e) == {"sg/eos_ratio_secant": 0.5, "sg/sharpness_secant": 50.0,
+                                    "sg/eos_threshold_secant": 100.0}
+    pytest.importorskip("pandas")
+    from stabilityguard.reports import load_run
+    from stabilityguard.reports.postmortem import postmortem_markdown
+
+    _train(tmp_path, steps=12, enable_edge_of_stability=True, eos_method="both", eos_check_interval=5,
+           eos_warning_ratio=1e-9)
+    run = load_run(tmp_path)
+    assert sorted(set(run.sharpness["method"])) == ["power", "secant"] and len(run.sharpness) == 2
+    md = postmortem_markdown(run)
+    assert "## Edge of stability" in md and "| power | 1 |" in md
