@@ -14,6 +14,10 @@ Methods:
   guard      GuardedOptimizer default config (JSONL log + console on; no spike happens)
   guard-bare GuardedOptimizer(log_dir=None, verbose=False): detection only
   guard+helene  guard-bare with enable_helene=True (per-layer clipping from Adam's second moments)
+  guard+eos-secant  guard-bare with enable_edge_of_stability=True, eos_method="secant" (curvature along the
+             update every 10 steps, no extra passes); only where a block is a multiple of the 10-step
+             interval (tiny-gpt, mlp-64), so every block holds the same number of checks. The power method
+             (extra forward/backward passes) is measured in step-equivalents by bench/eos.py.
 
 Usage:
   python bench/overhead.py            # all three workloads (~10 min on 2 cores)
@@ -44,7 +48,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from stabilityguard import GuardedOptimizer  # noqa: E402
 from stabilityguard.testing import DeepMLP, TinyGPT  # noqa: E402
 
-METHODS = ["plain", "floor", "clip", "guard", "guard-bare", "guard+helene"]
+METHODS = ["plain", "floor", "clip", "guard", "guard-bare", "guard+helene", "guard+eos-secant"]
+GUARDS = [m for m in METHODS if m.startswith("guard")]
 
 
 def workloads(quick: bool) -> Dict[str, Callable]:
@@ -82,6 +87,9 @@ class Trainer:
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False)
         elif method == "guard+helene":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_helene=True)
+        elif method == "guard+eos-secant":
+            self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_edge_of_stability=True,
+                                        eos_method="secant")
         else:
             self.opt = base
         self.opt_time = 0.0
@@ -108,19 +116,20 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
     torch.manual_seed(seed)
     model, batches, loss_fn = make()
     tmp = tempfile.mkdtemp(prefix="sg-bench-")
-    trainers = {m: Trainer(m, copy.deepcopy(model), loss_fn, tmp) for m in METHODS}
+    methods = [m for m in METHODS if m != "guard+eos-secant" or block % 10 == 0]
+    trainers = {m: Trainer(m, copy.deepcopy(model), loss_fn, tmp) for m in methods}
     n_params = sum(p.numel() for p in model.parameters())
     n_tensors = len(list(model.parameters()))
-    full: Dict[str, List[float]] = {m: [] for m in METHODS}
-    opt_phase: Dict[str, List[float]] = {m: [] for m in METHODS}
+    full: Dict[str, List[float]] = {m: [] for m in methods}
+    opt_phase: Dict[str, List[float]] = {m: [] for m in methods}
     rng = random.Random(seed)
     sink = open(os.devnull, "w")
     with contextlib.redirect_stdout(sink):
-        for m in METHODS:  # warm-up: allocator, Adam state, guard warm-up
+        for m in methods:  # warm-up: allocator, Adam state, guard warm-up
             for i in range(warmup):
                 trainers[m].step(batches[i % len(batches)])
         for r in range(rounds):
-            order = METHODS[:]
+            order = methods[:]
             rng.shuffle(order)
             for m in order:
                 tr = trainers[m]
@@ -130,14 +139,14 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
                     tr.step(batches[(r * block + i) % len(batches)])
                 full[m].append((time.perf_counter() - t0) / block)
                 opt_phase[m].append(tr.opt_time / block)
-    for m in ("guard", "guard-bare", "guard+helene"):
+    for m in [g for g in GUARDS if g in trainers]:
         c = trainers[m].opt.counters
         assert c.spikes == 0 and c.nonfinite == 0, f"{m}: unexpected spike in the benchmark ({c})"
         trainers[m].opt.close()
     plain_full = statistics.median(full["plain"])
     plain_opt = statistics.median(opt_phase["plain"])
     rows = []
-    for m in METHODS:
+    for m in methods:
         med_full = statistics.median(full[m])
         med_opt = statistics.median(opt_phase[m])
         rows.append({

@@ -292,7 +292,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
                                        recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope)
 
         self._eos: Optional[EdgeOfStabilityMonitor] = None
-        self._eos_next = (0, 0)  # next step of a power check, of a secant hold
         if config.enable_edge_of_stability:
             if torch.distributed.is_available() and torch.distributed.is_initialized() \
                     and torch.distributed.get_world_size() > 1:
@@ -504,7 +503,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.last_stats = stats
         if self._eos is not None:
             try:
-                self._eos_observe(step, stats, closure)
+                for est in self._eos.observe(step, stats.finite, closure):
+                    self._emit_sharpness(step, est)
             except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - telemetry must not stop training
@@ -531,9 +531,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Take the step: calibration bookkeeping, optional clipping, the wrapped step, snapshots."""
         if self._calibrator is not None:
             self._calibrate(step, decision)
-        if self._eos is not None and self._eos.uses_secant and step >= self._eos_next[1]:
-            self._eos.hold(step)  # raw gradients and parameters before this update (secant estimate)
-            self._eos_next = (self._eos_next[0], step + self.config.eos_check_interval)
+        if self._eos is not None:
+            self._eos.before_update(step)  # the secant holds the raw gradients and parameters, when due
         max_norm = self.config.clip_grad_norm
         coef = 1.0
         if max_norm is not None:
@@ -554,25 +553,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._rollback is not None:
             self._rollback.after_accepted_step(step + 1)
 
-    def _eos_observe(self, step: int, stats: GradStats, closure: Optional[Callable[[], Any]]) -> None:
-        """Edge-of-stability telemetry at this step: never changes the decision, the gradients or the
-        statistics (the power check differentiates its own loss with ``torch.autograd.grad``)."""
-        eos = self._eos
-        assert eos is not None
-        if not stats.finite:
-            eos.drop_held()
-            return
-        if eos.uses_secant:
-            est = eos.secant_check(step)
-            if est is not None:
-                self._emit_sharpness(step, est)
-        if eos.uses_power and step >= self._eos_next[0]:
-            est = eos.power_check(closure)
-            if est is not None:
-                self._eos_next = (step + self.config.eos_check_interval, self._eos_next[1])
-                self._emit_sharpness(step, est)
-
     def _emit_sharpness(self, step: int, est: SharpnessEstimate) -> None:
+        """The ``sharpness`` record of one check, and ``eos_warning`` when its ratio reaches the level."""
         assert self._eos is not None
         self._emit(self._event(
             Sharpness, step, method=est.method, sharpness=json_float(est.sharpness),
@@ -759,7 +741,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._calibrator is not None:
             out["calibration"] = self._calibrator.state_dict()
         if self._eos is not None:
-            out["edge_of_stability"] = self._eos.state_dict() | {"next": list(self._eos_next)}
+            out["edge_of_stability"] = self._eos.state_dict()
         return out
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
@@ -779,10 +761,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 self._detector.limits = self._calibrator.thresholds
                 self._detector.suspended = False
         if self._eos is not None and "edge_of_stability" in state:
-            eos_state = state["edge_of_stability"]
-            self._eos.load_state_dict(eos_state)
-            nxt = eos_state.get("next", [0, 0])
-            self._eos_next = (int(nxt[0]), int(nxt[1]))
+            self._eos.load_state_dict(state["edge_of_stability"])
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"``."""

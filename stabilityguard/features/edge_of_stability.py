@@ -211,12 +211,41 @@ class EdgeOfStabilityMonitor:
                 self._group_of[id(p)] = g
         self._vec: Optional[List[torch.Tensor]] = None  # warm start of the power iteration
         self._held: Optional[Tuple[int, List[torch.Tensor], List[torch.Tensor]]] = None  # secant: step, g_k, theta_k
+        self._hold_seconds = 0.0
+        self.next_power = 0  # first step of the next power check
+        self.next_hold = 0  # first step at which the secant holds gradients and parameters again
         self.checks = 0
         self.warnings = 0
         self.last_ratio: Optional[float] = None
         self._fd_fallback_logged = False
 
     # ------------------------------------------------------------------ scheduling
+    def observe(self, step: int, finite: bool, closure: Optional[Callable[[], Any]] = None
+                ) -> List[SharpnessEstimate]:
+        """The checks due at this step, before its update: the secant over the previous update, then the
+        power iteration (retried at the next steps while it has nothing to measure). A non-finite step
+        measures nothing and drops what the secant held."""
+        if not finite:
+            self.drop_held()
+            return []
+        out: List[SharpnessEstimate] = []
+        if self.uses_secant:
+            est = self.secant_check(step)
+            if est is not None:
+                out.append(est)
+        if self.uses_power and step >= self.next_power:
+            est = self.power_check(closure)
+            if est is not None:
+                self.next_power = step + self.interval
+                out.append(est)
+        return out
+
+    def before_update(self, step: int) -> None:
+        """An accepted step is about to update the parameters: hold what the secant needs, when due."""
+        if self.uses_secant and step >= self.next_hold:
+            self.hold(step)
+            self.next_hold = step + self.interval
+
     @property
     def uses_power(self) -> bool:
         return self.method in ("power", "both")
@@ -224,10 +253,6 @@ class EdgeOfStabilityMonitor:
     @property
     def uses_secant(self) -> bool:
         return self.method in ("secant", "both")
-
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is a check step."""
-        return step % self.interval == 0
 
     def require_loss(self, has_closure: bool) -> None:
         """Raise if the power method has neither a probe nor a closure to differentiate."""
@@ -242,18 +267,22 @@ class EdgeOfStabilityMonitor:
     def _lr0(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _scales(self) -> Optional[List[Any]]:
-        """Per parameter: ``S`` as a scalar (SGD) or a tensor (Adam); ``None`` before Adam has state."""
-        lr0 = self._lr0()
-        if not lr0 > 0:
+    def _lrs_positive(self) -> bool:
+        """No check while a group's LR is 0 (warm-up schedules start there): the threshold is infinite."""
+        return all(float(g["lr"]) > 0 for g in self.optimizer.param_groups)
+
+    def _adam_terms(self) -> Optional[Tuple[List[torch.Tensor], List[float], List[float]]]:
+        """``sqrt(v)`` per parameter and the factors with ``S^-1 = sqrt(v) * c + e``:
+        ``c = sqrt(1 / (1 - beta2^t)) * lr_0 / lr_g``, ``e = eps * lr_0 / lr_g``. ``None`` before Adam has
+        ``adam_warmup`` updates."""
+        if not self._lrs_positive():
             return None
-        out: List[Any] = []
+        lr0 = self._lr0()
+        vs: List[torch.Tensor] = []
+        c: List[float] = []
+        e: List[float] = []
         for p in self.params:
             g = self._group_of[id(p)]
-            rel = float(g["lr"]) / lr0
-            if self.family == "sgd":
-                out.append(rel)
-                continue
             st = self.optimizer.state.get(p, {})
             v = st.get("max_exp_avg_sq") if g.get("amsgrad") else st.get("exp_avg_sq")
             step = st.get("step")
@@ -262,10 +291,36 @@ class EdgeOfStabilityMonitor:
             t = float(step)
             if t < self.adam_warmup:
                 return None
-            b2 = float(g["betas"][1])
-            denom = (v / (1.0 - b2 ** t)).sqrt_().add_(float(g.get("eps", 1e-8)))
-            out.append(denom.reciprocal_().mul_(rel))
-        return out
+            inv_rel = lr0 / float(g["lr"])
+            vs.append(v)
+            c.append(math.sqrt(1.0 / (1.0 - float(g["betas"][1]) ** t)) * inv_rel)
+            e.append(float(g.get("eps", 1e-8)) * inv_rel)
+        with torch.no_grad():
+            return list(torch._foreach_sqrt(vs)), c, e
+
+    def _inverse_scales(self) -> Optional[List[Any]]:
+        """Per parameter: ``S^-1`` as a scalar (SGD: ``lr_0 / lr_g``) or a tensor (Adam:
+        ``(sqrt(v_hat) + eps) * lr_0 / lr_g``); ``None`` before Adam has enough state."""
+        if not self._lrs_positive():
+            return None
+        lr0 = self._lr0()
+        if self.family == "sgd":
+            return [lr0 / float(self._group_of[id(p)]["lr"]) for p in self.params]
+        terms = self._adam_terms()
+        if terms is None:
+            return None
+        sq, c, e = terms
+        with torch.no_grad():
+            torch._foreach_mul_(sq, c)
+            torch._foreach_add_(sq, e)
+        return sq
+
+    def _scales(self) -> Optional[List[Any]]:
+        """Per parameter: ``S`` (the reciprocal of :meth:`_inverse_scales`)."""
+        inv = self._inverse_scales()
+        if inv is None or not inv or not isinstance(inv[0], torch.Tensor):
+            return None if inv is None else [1.0 / x for x in inv]
+        return list(torch._foreach_reciprocal(inv))
 
     def _shift(self) -> float:
         """Coupled weight decay of SGD adds ``wd`` to every eigenvalue (first group's)."""
@@ -291,7 +346,8 @@ class EdgeOfStabilityMonitor:
     def power_check(self, closure: Optional[Callable[[], Any]] = None) -> Optional[SharpnessEstimate]:
         """Run the power iteration now (parameters, ``.grad``, RNG and buffers are left as found).
 
-        Returns ``None`` when there is nothing to measure yet (Adam before its first update).
+        Returns ``None`` when there is nothing to measure yet (Adam before ``adam_warmup`` updates, or a
+        group's LR at 0).
         """
         fn = self.probe if self.probe is not None else closure
         if fn is None:
@@ -363,9 +419,7 @@ class EdgeOfStabilityMonitor:
             if shift:
                 a = [y + shift * x for x, y in zip(u, a)]
             iters += 1
-            dots = torch.stack([torch.sum(x * y, dtype=torch.float64) for x, y in zip(u, a)]).sum()
-            sq = torch.stack([torch.sum(y * y, dtype=torch.float64) for y in a]).sum()
-            lam, na = torch.stack([dots, sq.sqrt()]).tolist()  # one host transfer per product
+            lam, na = torch.stack([_dot(u, a), _dot(a, a).sqrt()]).tolist()  # one host transfer per product
             if not (na > 0 and math.isfinite(na)):
                 break
             u = [y / na for y in a]
@@ -467,17 +521,22 @@ class EdgeOfStabilityMonitor:
     # ------------------------------------------------------------------ secant (no extra passes)
     def hold(self, step: int) -> None:
         """Keep this step's raw gradients and parameters (call before the update is applied)."""
-        ps = [p for p in self.params]
+        t0 = time.perf_counter()
+        ps = self.params
         if any(p.grad is None for p in ps):
             self._held = None
             return
         with torch.no_grad():
-            grads = torch._foreach_mul([p.grad for p in ps], 1.0)
+            grads = torch._foreach_mul([p.grad for p in ps], 1.0)  # copies
             theta = torch._foreach_mul(ps, 1.0)
         self._held = (step, grads, theta)
+        self._hold_seconds = time.perf_counter() - t0
 
     def secant_check(self, step: int) -> Optional[SharpnessEstimate]:
-        """Curvature along the update taken since :meth:`hold`, from this step's (raw) gradients."""
+        """Curvature along the update taken since :meth:`hold`, from this step's (raw) gradients.
+
+        ``seconds`` of the estimate include the time :meth:`hold` took.
+        """
         held, self._held = self._held, None
         if held is None or held[0] != step - 1:
             return None
@@ -485,19 +544,27 @@ class EdgeOfStabilityMonitor:
         if any(p.grad is None for p in ps):
             return None
         t0 = time.perf_counter()
-        scales = self._scales()
-        if scales is None:
+        if not self._lrs_positive():
+            return None
+        adam = self._adam_terms() if self.family == "adam" else None
+        if self.family == "adam" and adam is None:
             return None
         _, g_old, theta_old = held
-        with torch.no_grad():
-            d = torch._foreach_sub(ps, theta_old)
-            dg = torch._foreach_sub([p.grad for p in ps], g_old)
-            num = torch.stack([torch.sum(a * b, dtype=torch.float64) for a, b in zip(dg, d)]).sum()
-            den = torch.stack([torch.sum(x * x / s, dtype=torch.float64) for x, s in zip(d, scales)]).sum()
+        with torch.no_grad():  # in place on the held copies: no new parameter-sized buffers but sqrt(v)
+            torch._foreach_sub_(g_old, [p.grad for p in ps])  # g_k - g_k+1
+            torch._foreach_sub_(theta_old, ps)  # theta_k - theta_k+1 = -d
+            num = _dot(g_old, theta_old)  # = <g_k+1 - g_k, d>
+            if adam is None:  # SGD: S^-1 = lr_0 / lr_g
+                den = _dot(theta_old, theta_old, self._inverse_scales())
+            else:  # <d, S^-1 d> = sum_i c_i <sqrt(v_i) d_i, d_i> + e_i <d_i, d_i>
+                sq, c, e = adam
+                torch._foreach_mul_(sq, theta_old)
+                den = _dot(sq, theta_old, c) + _dot(theta_old, theta_old, e)
             num_f, den_f = torch.stack([num, den]).tolist()
         if not (den_f > 0 and math.isfinite(num_f)):
             return None
-        return self._estimate("secant", num_f / den_f, 0, None, 0, time.perf_counter() - t0, False)
+        seconds = time.perf_counter() - t0 + self._hold_seconds
+        return self._estimate("secant", num_f / den_f, 0, None, 0, seconds, False)
 
     def drop_held(self) -> None:
         """Forget held tensors (e.g. after a rollback moved the parameters)."""
@@ -505,10 +572,10 @@ class EdgeOfStabilityMonitor:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
-        """Counters and the last ratio (JSON-native; the eigenvector is not saved: the first check after a
-        resume starts from a fresh random vector and may use more iterations)."""
+        """Schedule, counters and the last ratio (JSON-native; the eigenvector is not saved: the first check
+        after a resume starts from a fresh random vector and may use more iterations)."""
         return {"checks": self.checks, "warnings": self.warnings, "last_ratio": self.last_ratio,
-                "hvp_mode": self.hvp_mode}
+                "hvp_mode": self.hvp_mode, "next": [self.next_power, self.next_hold]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -518,9 +585,25 @@ class EdgeOfStabilityMonitor:
         mode = state.get("hvp_mode", self.hvp_mode)
         if mode in EOS_HVP_MODES:
             self.hvp_mode = mode
+        nxt = state.get("next", [0, 0])
+        self.next_power, self.next_hold = int(nxt[0]), int(nxt[1])
+
+
+def _dot(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], weights: Optional[Sequence[float]] = None
+         ) -> torch.Tensor:
+    """``sum_i w_i <x_i, y_i>`` as a float64 0-d tensor on the first tensor's device. One ``torch.dot``
+    per tensor (float32 accumulation, no temporaries; a float64 reduction of 4M floats costs ~20x a
+    float32 one on CPU), then a float64 sum of the per-tensor values."""
+    first = xs[0].device
+    parts = [torch.dot(x.reshape(-1), y.reshape(-1)).to(first, torch.float64) for x, y in zip(xs, ys)]
+    out = torch.stack(parts)
+    if weights is not None:
+        out = out * torch.tensor(list(weights), dtype=torch.float64, device=first)
+    return out.sum()
 
 
 def _norm(ts: Sequence[torch.Tensor]) -> float:
     if not ts:
         return 0.0
-    return float(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in ts]).norm())
+    with torch.no_grad():
+        return float(_dot(ts, ts).sqrt())
