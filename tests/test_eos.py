@@ -325,3 +325,24 @@ def test_sharpness_events_reach_the_trackers_and_the_report(tmp_path):
     assert sorted(set(run.sharpness["method"])) == ["power", "secant"] and len(run.sharpness) == 2
     md = postmortem_markdown(run)
     assert "## Edge of stability" in md and "| power | 1 |" in md
+
+
+def test_no_check_while_a_learning_rate_is_zero(tmp_path):
+    # Warm-up schedules start at lr 0: the threshold c/lr is infinite there, so the check waits.
+    model, x, y, _ = _regression()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = GuardedOptimizer(base, model, log_dir=tmp_path, verbose=False, enable_edge_of_stability=True,
+                           eos_method="both", eos_check_interval=3, eos_probe=lambda: (model(x) - y).pow(2).mean())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))
+    for _ in range(5):
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        sched.step()
+    opt.close()
+    checks = [(e["step"], e["method"]) for e in _events(tmp_path, "sharpness")]
+    # Step 0 has lr 0: the power check waits a step. The secant held at step 0, but that update had lr 0
+    # (d = 0, nothing to measure); it holds again at step 3 and measures at step 4.
+    assert checks == [(1, "power"), (4, "secant"), (4, "power")]
+    assert all(e["lr"] > 0 for e in _events(tmp_path, "sharpness"))
