@@ -25,11 +25,8 @@ Two estimators (``eos_method``):
     shifted operator ``A + |lambda| I`` (at most ``eos_power_iterations`` more products) finds the largest
     positive eigenvalue.
 
-For Adam-type optimizers the checks start once the optimizer has made ``warmup_steps`` updates (the
-guard's warm-up, at least 1): ``v_hat`` from one gradient makes the preconditioned sharpness meaningless
-(600x the threshold at step 1 on the benchmark's tiny GPT, in a run that never became unstable; 0.3x by
-step 11). The loss is the ``eos_probe`` callable's (a fixed
-    batch: checks are comparable) or the step's closure. HVPs by double backward
+    The loss is the ``eos_probe`` callable's (a fixed batch: checks are comparable) or the step's
+    closure. HVPs by double backward
     (``torch.autograd.grad(create_graph=True)``; one forward+backward building the graph, then one
     double backward per product); where double backward is unavailable (CPU scaled-dot-product
     attention, some fused kernels) by central finite differences of gradients,
@@ -44,9 +41,15 @@ step 11). The loss is the ``eos_probe`` callable's (a fixed
     ``theta_k``; at the next step it reads the new gradient and computes the curvature along the update
     that was actually taken, ``d = theta_k+1 - theta_k``: ``<g_k+1 - g_k, d> / <d, S^-1 d>``. This is a
     Rayleigh quotient of the same operator (a lower bound on its top eigenvalue, exact when the update
-    is aligned with the top eigenvector, as it is at the edge), but ``g_k+1`` and ``g_k`` come from
-    different batches, so gradient noise adds variance and a positive bias. Cost: two copies of the
-    parameters held for one step and a few ``_foreach`` ops, every ``eos_check_interval`` steps.
+    is aligned with the top eigenvector), but ``g_k+1`` and ``g_k`` come from
+    different batches, so gradient noise adds variance and bias. Cost: a copy of the gradients and of
+    the parameters held for one step, a few ``_foreach`` ops and dot products (and ``sqrt(v)`` for
+    Adam), every ``eos_check_interval`` steps.
+
+For Adam the checks start once the optimizer has made ``warmup_steps`` updates (the guard's warm-up, at
+least 1): ``v_hat`` from one gradient makes the preconditioned sharpness meaningless (601x the threshold
+after one update on the benchmark's tiny GPT, in a run that never became unstable; 0.31x after 11;
+``python bench/eos.py --adam-early``).
 
 Both never change a decision: a ratio at or above ``eos_warning_ratio`` produces an ``eos_warning``
 event; no step is skipped on curvature alone. Measured lead time, precision, recall and cost are in
@@ -382,7 +385,7 @@ class EdgeOfStabilityMonitor:
         rayleigh, iters, hvp, passes, converged = result
         return self._estimate("power", rayleigh, iters, hvp, passes, time.perf_counter() - t0, converged)
 
-    def _power(self, scales: List[Any], hvp_fn: Callable, name: str) -> Tuple[float, int, str, int]:
+    def _power(self, scales: List[Any], hvp_fn: Callable, name: str) -> Tuple[float, int, str, int, bool]:
         """Top eigenvalue of ``A = S^1/2 H S^1/2``. Power iteration finds the eigenvalue of largest
         magnitude; when that one is negative (early training), a second run on ``A + |lambda| I`` finds the
         largest positive one."""
