@@ -17,6 +17,22 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def train_guarded_demo(out: Path, steps: int, sinks: list) -> dict:
+    """The demo's tiny GPT and faults (``stabilityguard.testing``) with a guarded AdamW logging to
+    ``out/sg_logs`` and ``sinks``; the guard is closed (run_end delivered) before returning."""
+    import torch
+
+    from stabilityguard import GuardedOptimizer
+    from stabilityguard.testing import demo_faults, train_tiny_gpt
+
+    result = train_tiny_gpt(
+        lambda m: GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=3e-3), m, log_dir=out / "sg_logs",
+                                   verbose=False, sinks=sinks),
+        steps=steps, faults=demo_faults())
+    result["optimizer"].close()
+    return result
+
+
 def offline_wandb(out: Path) -> None:
     """W&B offline, silent, writing under ``out``."""
     os.environ.setdefault("WANDB_MODE", "offline")

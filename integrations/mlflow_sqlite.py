@@ -8,26 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _common import artifacts, parser, sqlite_uri
+from _common import artifacts, parser, sqlite_uri, train_guarded_demo
 
 
 def main(argv=None) -> dict:
     args = parser(__doc__).parse_args(argv)
     out = Path(args.out)
-    import torch
-
-    from stabilityguard import GuardedOptimizer
     from stabilityguard.integrations.mlflow import MLflowBridge
-    from stabilityguard.testing import demo_faults, train_tiny_gpt
 
     uri = sqlite_uri(out)
     bridge = MLflowBridge(uri, experiment_name="stabilityguard-examples", run_name="mlflow-sqlite",
                           artifact_location=artifacts(out), close_timeout=120.0)
-    result = train_tiny_gpt(
-        lambda m: GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=3e-3), m, log_dir=out / "sg_logs",
-                                   verbose=False, sinks=[bridge]),
-        steps=args.steps, faults=demo_faults())
-    result["optimizer"].close()
+    result = train_guarded_demo(out, args.steps, [bridge])
     print(f"MLflow run {bridge.run_id}; open with: mlflow ui --backend-store-uri {uri}")
     return {"tracking_uri": uri, "run_id": bridge.run_id, "counters": result["optimizer"].counters}
 

@@ -7,25 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _common import offline_wandb, parser
+from _common import offline_wandb, parser, train_guarded_demo
 
 
 def main(argv=None) -> dict:
     args = parser(__doc__).parse_args(argv)
     out = Path(args.out)
     offline_wandb(out)
-    import torch
-
-    from stabilityguard import GuardedOptimizer
     from stabilityguard.integrations.wandb import WandBBridge
-    from stabilityguard.testing import demo_faults, train_tiny_gpt
 
     bridge = WandBBridge(project="stabilityguard-examples", name="wandb-offline", dir=str(out))
-    result = train_tiny_gpt(
-        lambda m: GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=3e-3), m, log_dir=out / "sg_logs",
-                                   verbose=False, sinks=[bridge]),
-        steps=args.steps, faults=demo_faults())
-    result["optimizer"].close()
+    result = train_guarded_demo(out, args.steps, [bridge])
     print(f"W&B offline run in {bridge.run.dir}; upload with: wandb sync {Path(bridge.run.dir).parent}")
     return {"run_dir": str(Path(bridge.run.dir).parent), "counters": result["optimizer"].counters}
 

@@ -556,17 +556,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _emit_sharpness(self, step: int, est: SharpnessEstimate) -> None:
         """The ``sharpness`` record of one check, and ``eos_warning`` when its ratio reaches the level."""
         assert self._eos is not None
-        self._emit(self._event(
-            Sharpness, step, method=est.method, sharpness=json_float(est.sharpness),
-            threshold=json_float(est.threshold), ratio=json_float(est.ratio), lr=json_float(est.lr),
-            optimizer_family=self._eos.family, iterations=est.iterations, hvp=est.hvp, passes=est.passes,
-            seconds=round(est.seconds, 6), converged=est.converged,
-        ))
-        if est.ratio >= self.config.eos_warning_ratio:
+        fields = asdict(est)
+        warning = fields.pop("warning")
+        fields.update({k: json_float(fields[k]) for k in ("sharpness", "threshold", "ratio", "lr")},
+                      seconds=round(est.seconds, 6))
+        self._emit(self._event(Sharpness, step, optimizer_family=self._eos.family, **fields))
+        if warning:
             self._emit(self._event(
-                EosWarning, step, method=est.method, ratio=json_float(est.ratio),
-                sharpness=json_float(est.sharpness), threshold=json_float(est.threshold),
-                warning_ratio=self.config.eos_warning_ratio,
+                EosWarning, step, method=est.method, ratio=fields["ratio"], sharpness=fields["sharpness"],
+                threshold=fields["threshold"], warning_ratio=self._eos.warning_ratio,
             ))
 
     def _on_finite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
@@ -681,8 +679,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
             assert self._rollback is not None
             to = self._rollback.restore()
             self.counters.rollbacks += 1
-            if self._eos is not None:
-                self._eos.drop_held()
             return action, to
         return action, None  # raise: leave weights, state and grads for inspection
 

@@ -91,6 +91,7 @@ class SharpnessEstimate:
         seconds: Wall time of the estimate.
         converged: The power iteration met its tolerance. Every Rayleigh quotient is a lower bound on the
             top eigenvalue, so an unconverged (or secant) value may underestimate it, never overestimate.
+        warning: ``ratio >= warning_ratio``.
     """
 
     method: str
@@ -103,6 +104,7 @@ class SharpnessEstimate:
     passes: int
     seconds: float
     converged: bool = False
+    warning: bool = False
 
 
 def stability_constant(optimizer: torch.optim.Optimizer) -> Tuple[str, float]:
@@ -229,7 +231,7 @@ class EdgeOfStabilityMonitor:
         power iteration (retried at the next steps while it has nothing to measure). A non-finite step
         measures nothing and drops what the secant held."""
         if not finite:
-            self.drop_held()
+            self._held = None  # frees the copies: the secant pairs a held step only with the next one
             return []
         out: List[SharpnessEstimate] = []
         if self.uses_secant:
@@ -321,8 +323,10 @@ class EdgeOfStabilityMonitor:
     def _scales(self) -> Optional[List[Any]]:
         """Per parameter: ``S`` (the reciprocal of :meth:`_inverse_scales`)."""
         inv = self._inverse_scales()
-        if inv is None or not inv or not isinstance(inv[0], torch.Tensor):
-            return None if inv is None else [1.0 / x for x in inv]
+        if inv is None:
+            return None
+        if self.family == "sgd":
+            return [1.0 / x for x in inv]
         return list(torch._foreach_reciprocal(inv))
 
     def _shift(self) -> float:
@@ -337,13 +341,13 @@ class EdgeOfStabilityMonitor:
         sharp = rayleigh + self._shift()
         threshold = self.constant / lr0
         ratio = sharp / threshold
+        warning = ratio >= self.warning_ratio
         self.checks += 1
+        self.warnings += warning
         self.last_ratio = ratio
-        if ratio >= self.warning_ratio:
-            self.warnings += 1
         return SharpnessEstimate(method=method, sharpness=sharp, threshold=threshold, ratio=ratio, lr=lr0,
                                  iterations=iterations, hvp=hvp, passes=passes, seconds=seconds,
-                                 converged=converged)
+                                 converged=converged, warning=warning)
 
     # ------------------------------------------------------------------ power iteration
     def power_check(self, closure: Optional[Callable[[], Any]] = None) -> Optional[SharpnessEstimate]:
@@ -568,10 +572,6 @@ class EdgeOfStabilityMonitor:
             return None
         seconds = time.perf_counter() - t0 + self._hold_seconds
         return self._estimate("secant", num_f / den_f, 0, None, 0, seconds, False)
-
-    def drop_held(self) -> None:
-        """Forget held tensors (e.g. after a rollback moved the parameters)."""
-        self._held = None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
