@@ -1,25 +1,42 @@
-"""Does the guard save runs? Every method side by side on the same faults (CPU, 1 thread, fixed seeds).
+"""Does the guard save runs? Every method side by side on natural instabilities and injected faults.
 
-Workloads: a tiny GPT on a synthetic Markov-chain language (learnable loss floor) and an MLP
-regression. Scenarios: clean; x1000 spike in one layer; NaN grad; Inf grad; a bad batch (loss x1e4 for
-one step: every layer spikes); bursty noise (2% of steps x50 in a random layer); slow drift (all grads
-grow smoothly x20 over 200 steps: not a fault); high LR without warm-up (natural instabilities, no
-injected fault). Methods: plain AdamW; clip_grad_norm_(1.0); ZClip (zclip package, defaults); an
-OLMo-core-style skip-step rule (our implementation of: skip when loss or grad norm exceeds the mean +
-6 std of the last 128 steps); the earlier stabilityguard 0.3.0 release (in its own virtual environment,
-bench/.venv-sg03, created on first use); ours in its default configuration, with enable_spam, with
-enable_auto_calibration and with enable_helene.
+CPU, 1 thread, fixed seeds. Workloads (bench/workloads.py): a tiny GPT on a Markov-chain language, a
+small CNN with BatchNorm and one spatial-attention layer on synthetic images, an MLP regression. Every run
+uses AdamW with a linear warm-up and a cosine decay (transformer practice).
 
-Per cell: final loss (mean of the last 10% of steps), eval loss (4 held-out batches after training),
-diverged (non-finite weights or loss), gap of the eval loss to the clean plain run, steps flagged (skipped, or clipped for the clipping methods), recall at the injected
-steps, flagged steps that were not injected, and the step time relative to plain AdamW in the same
-scenario (cells run one after another, not interleaved: bench/overhead.py is the precise overhead
-measurement).
+Scenarios:
+
+- ``clean``: the workload's tuned schedule (reference of every gap);
+- natural instabilities, nothing injected (3 seeds by default): ``high_lr`` (peak LR 10x, warm-up 2% of
+  the steps), ``lr_jump`` (the LR x20 from 40% of the run on), ``attn_logit`` (peak LR 20x and no weight
+  decay on the attention workloads: attention logits grow without QK-norm);
+- injected faults (first seed only): ``spike`` (x1000 in one layer, twice), ``nan``, ``inf`` (one
+  gradient), ``bad_batch`` (loss x1e4 for one step), ``bursty`` (2% of the steps x50 in a random layer),
+  ``drift`` (all gradients grow smoothly x20 over 200 steps: not a fault), ``level_shift`` (one layer's
+  gradient x20 from a third of the run on: a genuine regime change to accept), ``bad_run`` (5 consecutive
+  corrupted batches with the loss x1e2..x1e4, a different factor each step: to refuse).
+
+Methods: plain AdamW; ``clip_grad_norm_(1.0)``; ZClip (the zclip package, defaults); an OLMo-core-style
+skip rule (our implementation: skip when the loss or the grad norm exceeds the mean + 6 std of the last
+128 steps); AdaGC (our implementation from the paper, bench/peers.py); the stabilityguard 0.3.0 release
+(own virtual environment bench/.venv-sg03, created on first use); ours in its default configuration.
+Variants of ours on request (``--methods``).
+
+Per run: eval loss (4 held-out batches after training, BatchNorm in eval mode) and its gap to the clean
+plain run of the same workload and seed, training-tail loss, diverged (non-finite weights or loss),
+steps skipped (refused) and clipped, recall at the injected steps (skipped or clipped), false skips
+(skipped steps without a fault), for level_shift the steps until the method stops refusing / modifying the
+shifted steps, the largest attention logit after training, and the time relative to plain AdamW.
+
+The summary prints, per scenario, the best peer and whether the guard's default configuration meets the
+target of issue 11 (natural: eval loss at least as good as the best peer, mean over seeds; clean: within
+0.1% of plain AdamW; faults: 100% recall, 0 false skips, never diverges; level shift accepted within 10
+steps; 5 consecutive bad batches refused).
 
 Usage:
-  python bench/protection.py --quick          # tiny GPT, 160 steps, 5 scenarios, under a minute
-  python bench/protection.py                  # both workloads, 300 steps, all scenarios (~15 min)
-  python bench/protection.py --out bench/results/protection
+  python bench/protection.py --quick                       # seconds: tiny runs, a few cells
+  python bench/protection.py --out bench/results/protection # everything (~15 min on one core)
+  python bench/protection.py --workloads gpt --scenarios clean high_lr --seeds 0 1 --methods plain ours
 """
 
 from __future__ import annotations
@@ -31,92 +48,88 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 SG03_VENV = ROOT / "bench" / ".venv-sg03"
 
 
-def _load_testing():
-    """stabilityguard/testing.py by path: it imports only torch, so the 0.3.0 venv can load it too."""
-    spec = importlib.util.spec_from_file_location("sg_bench_testing", ROOT / "stabilityguard" / "testing.py")
+def _load(name: str) -> Any:
+    """A sibling module of this script by path (works under runpy and in the 0.3.0 venv)."""
+    key = f"sg_bench_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parent / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[key] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-T = _load_testing()
-
-# ----------------------------------------------------------------------------------------- workloads
-
-
-class Workload:
-    def __init__(self, name: str, steps: int, seed: int = 0) -> None:
-        self.name, self.steps, self.seed = name, steps, seed
-
-    def model(self) -> torch.nn.Module:
-        torch.manual_seed(self.seed)
-        if self.name == "gpt":
-            return T.TinyGPT(vocab_size=64, block_size=32, d_model=64, n_layer=2, n_head=4)
-        return T.DeepMLP(width=64, depth=8, in_dim=16)
-
-    def batches(self, n: Optional[int] = None, seed_offset: int = 1) -> List[Any]:
-        """``n`` batches (default: one per step); another ``seed_offset`` gives held-out batches."""
-        n = self.steps if n is None else n
-        g = torch.Generator().manual_seed(self.seed + seed_offset)
-        if self.name == "gpt":
-            data = T.MarkovData(vocab_size=64, seed=self.seed)
-            data.generator.manual_seed(self.seed + seed_offset)
-            return [data.batch(16, 32) for _ in range(n)]
-        w = torch.randn(16, 1, generator=torch.Generator().manual_seed(self.seed))  # one task for all batches
-        out = []
-        for _ in range(n):
-            x = torch.randn(256, 16, generator=g)
-            out.append((x, torch.tanh(x @ w) + 0.05 * torch.randn(256, 1, generator=g)))
-        return out
-
-    def loss(self, model, batch) -> torch.Tensor:
-        if self.name == "gpt":
-            return model.loss(*batch)
-        return F.mse_loss(model(batch[0]), batch[1])
-
-    def layers(self, model) -> List[torch.nn.Module]:
-        return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-
+W = _load("workloads")
+P = _load("peers")
+T = W.T
 
 # ----------------------------------------------------------------------------------------- scenarios
 
+NATURAL = ["high_lr", "lr_jump", "attn_logit"]
+FAULTS = ["spike", "nan", "inf", "bad_batch", "bursty", "drift", "level_shift", "bad_run"]
+SCENARIOS = ["clean"] + NATURAL + FAULTS
+DEFAULT_STEPS = {"gpt": 200, "cnn": 200, "mlp": 300}
+ACCEPT_WITHIN = 10  # level shift: steps
+
 
 class Scenario:
-    """Faults applied at given steps; ``injected`` are the steps a detector should flag."""
+    """What happens to one run: its LR schedule, faults at given steps, ``injected`` steps to flag."""
 
-    def __init__(self, name: str, steps: int, seed: int = 0) -> None:
-        self.name, self.steps = name, steps
-        self.lr = 3e-2 if name == "high_lr" else 3e-3
+    def __init__(self, name: str, workload: "W.Workload") -> None:
+        if name not in SCENARIOS:
+            raise ValueError(f"scenario must be one of {SCENARIOS}, got {name!r}")
+        self.name, self.workload, steps = name, workload, workload.steps
+        self.steps = steps
+        self.natural = name in NATURAL
         self.injected: List[int] = []
         self.burst: Dict[int, int] = {}
+        self.bad_factor: Dict[int, float] = {}
         a, b = steps // 3, (2 * steps) // 3
+        self.shift_start = a if name == "level_shift" else None
         if name == "spike":
             self.injected = [a, b]
         elif name in ("nan", "inf", "bad_batch"):
             self.injected = [a]
         elif name == "bursty":
-            rng = random.Random(seed)
+            rng = random.Random(workload.seed)
             k = max(2, round(0.02 * steps))
             self.injected = sorted(rng.sample(range(20, steps), k))
             self.burst = {s: rng.randrange(1000) for s in self.injected}
+        elif name == "bad_run":
+            rng = random.Random(workload.seed + 7)
+            self.injected = list(range(a, a + 5))
+            self.bad_factor = {s: 10 ** rng.uniform(2, 4) for s in self.injected}
         self.drift = (steps // 4, steps // 4 + 200) if name == "drift" else None
 
+    def lr(self, step: int) -> float:
+        sched = self.name if self.natural else "clean"
+        return W.lr_at(sched, step, self.steps, self.workload.base_lr)
+
+    def weight_decay(self) -> float:
+        return W.weight_decay(self.name)
+
+    def batch(self, step: int, batch: Any) -> Any:
+        return self.workload.corrupt(batch, seed=step) if step in self.bad_factor else batch
+
     def loss_factor(self, step: int) -> float:
-        return 1e4 if self.name == "bad_batch" and step in self.injected else 1.0
+        if self.name == "bad_batch" and step in self.injected:
+            return 1e4
+        return self.bad_factor.get(step, 1.0)
 
     def apply(self, step: int, layers: List[torch.nn.Module], model: torch.nn.Module) -> None:
         if self.name == "spike" and step in self.injected:
@@ -127,38 +140,50 @@ class Scenario:
             T.poison_grad(layers[1].weight, math.inf)
         elif self.name == "bursty" and step in self.burst:
             T.scale_grad(layers[self.burst[step] % len(layers)], 50.0)
+        elif self.shift_start is not None and step >= self.shift_start:
+            T.scale_grad(layers[len(layers) // 2], 20.0)
         elif self.drift is not None and step >= self.drift[0]:
             t = min(1.0, (step - self.drift[0]) / (self.drift[1] - self.drift[0]))
             T.scale_grad(model, 20.0 ** t)
 
 
-SCENARIOS = ["clean", "spike", "nan", "inf", "bad_batch", "bursty", "drift", "high_lr"]
-QUICK_SCENARIOS = ["clean", "spike", "nan", "bad_batch", "drift"]
+def applies(scenario: str, workload: str) -> bool:
+    """``attn_logit`` runs only on the workloads with attention."""
+    return scenario != "attn_logit" or workload in W.ATTENTION_WORKLOADS
+
 
 # ----------------------------------------------------------------------------------------- methods
 
+SKIP, CLIP = "skip", "clip"
 
-def _grad_norm(params) -> float:
+
+def _grad_norm(params: Sequence[torch.Tensor]) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     return float(torch.stack(torch._foreach_norm(grads)).norm()) if grads else 0.0
 
 
 class Method:
-    """``step(loss)`` after backward: returns True when the step was flagged (skipped or clipped)."""
+    """Plain AdamW. ``step(loss, step)`` after backward returns ``"skip"``, ``"clip"`` or None."""
 
     name = "plain"
+    key = "plain"
 
-    def __init__(self, model, lr: float, log_dir: str) -> None:
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, log_dir: str) -> None:
         self.model = model
         self.params = list(model.parameters())
-        self.opt = torch.optim.AdamW(self.params, lr=lr)
+        self.base = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.opt: Any = self.base
 
-    def step(self, loss: torch.Tensor, step: int) -> bool:
+    def set_lr(self, lr: float) -> None:
+        for g in self.base.param_groups:
+            g["lr"] = lr
+
+    def step(self, loss: torch.Tensor, step: int) -> Optional[str]:
         self.opt.step()
-        return False
+        return None
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+        self.base.zero_grad(set_to_none=True)
 
     def close(self) -> None:
         pass
@@ -166,18 +191,20 @@ class Method:
 
 class Clip(Method):
     name = "clip_grad_norm_(1.0)"
+    key = "clip"
 
     def step(self, loss, step):
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
         self.opt.step()
-        return not norm <= 1.0  # clipped (or non-finite)
+        return None if norm <= 1.0 else CLIP  # clipped (or non-finite)
 
 
 class ZClipMethod(Method):
     name = "ZClip (defaults)"
+    key = "zclip"
 
-    def __init__(self, model, lr, log_dir):
-        super().__init__(model, lr, log_dir)
+    def __init__(self, model, lr, weight_decay, log_dir):
+        super().__init__(model, lr, weight_decay, log_dir)
         from zclip import ZClip
 
         self.zclip = ZClip()
@@ -187,7 +214,7 @@ class ZClipMethod(Method):
         self.zclip.step(self.model)
         after = _grad_norm(self.params)
         self.opt.step()
-        return not after >= before * (1 - 1e-6)  # the gradient was scaled down (or is non-finite)
+        return None if after >= before * (1 - 1e-6) else CLIP  # scaled down (or non-finite)
 
 
 class OlmoSkip(Method):
@@ -195,9 +222,10 @@ class OlmoSkip(Method):
     6 std of the last 128 accepted values (our implementation of that rule; needs 20 values first)."""
 
     name = "OLMo-style skip (128, 6 sigma)"
+    key = "olmo"
 
-    def __init__(self, model, lr, log_dir):
-        super().__init__(model, lr, log_dir)
+    def __init__(self, model, lr, weight_decay, log_dir):
+        super().__init__(model, lr, weight_decay, log_dir)
         self.losses: List[float] = []
         self.norms: List[float] = []
 
@@ -214,27 +242,50 @@ class OlmoSkip(Method):
     def step(self, loss, step):
         lv, gn = float(loss.detach()), _grad_norm(self.params)
         if self._outlier(lv, self.losses) or self._outlier(gn, self.norms):
-            return True
+            return SKIP
         self.losses = (self.losses + [lv])[-128:]
         self.norms = (self.norms + [gn])[-128:]
         self.opt.step()
-        return False
+        return None
+
+
+class AdaGCMethod(Method):
+    """AdaGC with the paper's defaults; 20 warm-up steps of global clipping at 1.0 (our choice for
+    runs of a few hundred steps)."""
+
+    name = "AdaGC (our implementation from the paper)"
+    key = "adagc"
+
+    def __init__(self, model, lr, weight_decay, log_dir):
+        super().__init__(model, lr, weight_decay, log_dir)
+        self.clipper = P.AdaGC(self.params, rel_threshold=1.05, beta=0.98, abs_threshold=1.0, warmup_steps=20)
+
+    def step(self, loss, step):
+        clipped = self.clipper.clip_()
+        self.opt.step()
+        return CLIP if clipped else None
 
 
 class Ours(Method):
     name = "stabilityguard (ours, default)"
+    key = "ours"
     options: Dict[str, Any] = {}
 
-    def __init__(self, model, lr, log_dir):
-        super().__init__(model, lr, log_dir)
+    def __init__(self, model, lr, weight_decay, log_dir):
+        super().__init__(model, lr, weight_decay, log_dir)
         from stabilityguard import GuardedOptimizer
 
-        self.opt = GuardedOptimizer(self.opt, model, log_dir=log_dir, verbose=False, **self.options)
+        self.opt = GuardedOptimizer(self.base, model, log_dir=log_dir, verbose=False, **self.options)
+
+    def _counts(self) -> Tuple[int, int]:
+        c = self.opt.counters
+        return c.skipped + c.rollbacks, getattr(c, "clipped", 0)
 
     def step(self, loss, step):
-        before = self.opt.counters.skipped
+        refused, clipped = self._counts()
         self.opt.step(loss=loss)
-        return self.opt.counters.skipped > before
+        refused2, clipped2 = self._counts()
+        return SKIP if refused2 > refused else CLIP if clipped2 > clipped else None
 
     def close(self):
         self.opt.close()
@@ -242,92 +293,157 @@ class Ours(Method):
 
 class OursSpam(Ours):
     name = "ours + enable_spam"
+    key = "ours_spam"
     options = {"enable_spam": True}
 
 
 class OursCalibrated(Ours):
     name = "ours + auto-calibration"
+    key = "ours_calibrated"
     options = {"enable_auto_calibration": True}
 
 
 class OursHelene(Ours):
     name = "ours + helene"
+    key = "ours_helene"
     options = {"enable_helene": True}
 
 
 class SG03(Method):
     name = "stabilityguard 0.3.0"
+    key = "sg03"
 
-    def __init__(self, model, lr, log_dir):
-        super().__init__(model, lr, log_dir)
+    def __init__(self, model, lr, weight_decay, log_dir):
+        super().__init__(model, lr, weight_decay, log_dir)
         from stabilityguard import GuardedOptimizer  # the 0.3.0 release, inside its own venv
 
-        self.opt = GuardedOptimizer(self.opt, model, log_dir=log_dir, verbose=False)
+        self.opt = GuardedOptimizer(self.base, model, log_dir=log_dir, verbose=False)
 
     def step(self, loss, step):
         before = self.opt.total_skips
         self.opt.step(loss=float(loss))
-        return self.opt.total_skips > before
-
-    def zero_grad(self):
-        self.opt._base_optimizer.zero_grad(set_to_none=True)
+        return SKIP if self.opt.total_skips > before else None
 
     def close(self):
         self.opt.close()
 
 
-LOCAL_METHODS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, Ours, OursSpam, OursCalibrated, OursHelene]
+PEERS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, AdaGCMethod, SG03]
+OURS: List[type] = [Ours, OursSpam, OursCalibrated, OursHelene]
+ALL_METHODS: Dict[str, type] = {m.key: m for m in PEERS + OURS}
+DEFAULT_METHODS = ["plain", "clip", "zclip", "olmo", "adagc", "sg03", "ours"]
+GUARD = Ours.name
+PEER_NAMES = [m.name for m in PEERS]
 
-# ----------------------------------------------------------------------------------------- a cell
+# ----------------------------------------------------------------------------------------- a run
 
 
-def run_cell(workload: Workload, scenario: Scenario, method_cls: type, batches: List[Any],
+def _accept_lag(start: int, steps: int, marked: Sequence[int]) -> Optional[int]:
+    """Steps from ``start`` until the last marked step at or after it, +1 (0: never marked; None: marked
+    up to the end of the run, i.e. never accepted)."""
+    after = [s for s in marked if s >= start]
+    if not after:
+        return 0
+    last = max(after)
+    return None if last >= steps - 1 else last - start + 1
+
+
+def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batches: List[Any],
              held_out: List[Any]) -> Dict[str, Any]:
+    """Train one model with one method through one scenario; returns the row of metrics."""
     model = workload.model()
     layers = workload.layers(model)
+    skipped: List[int] = []
+    clipped: List[int] = []
+    losses: List[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        method = method_cls(model, scenario.lr, tmp)
-        flagged: List[int] = []
-        losses: List[float] = []
+        method = method_cls(model, scenario.lr(0), scenario.weight_decay(), tmp)
         t0 = time.perf_counter()
         for step in range(workload.steps):
-            loss = workload.loss(model, batches[step]) * scenario.loss_factor(step)
+            method.set_lr(scenario.lr(step))
+            factor = scenario.loss_factor(step)
+            loss = workload.loss(model, scenario.batch(step, batches[step])) * factor
             loss.backward()
             scenario.apply(step, layers, model)
-            if method.step(loss, step):
-                flagged.append(step)
+            outcome = method.step(loss, step)
+            if outcome == SKIP:
+                skipped.append(step)
+            elif outcome == CLIP:
+                clipped.append(step)
             method.zero_grad()
-            losses.append(float(loss.detach()) / scenario.loss_factor(step))
+            losses.append(float(loss.detach()) / factor)
         elapsed = time.perf_counter() - t0
         method.close()
     tail = losses[-max(1, workload.steps // 10):]
-    finite_w = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     final = sum(tail) / len(tail)
+    finite_w = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    model.eval()
     with torch.no_grad():
         eval_loss = sum(float(workload.loss(model, b)) for b in held_out) / len(held_out)
+    attn = workload.max_attention_logit(model, held_out[0]) if finite_w else None
     injected = set(scenario.injected)
-    return {
+    acted = set(skipped) | set(clipped)
+    row: Dict[str, Any] = {
         "workload": workload.name,
         "scenario": scenario.name,
+        "seed": workload.seed,
         "method": method_cls.name,
+        "steps": workload.steps,
         "final_loss": final,
-        "eval_loss": eval_loss,
-        "diverged": (not finite_w) or not math.isfinite(final),
-        "flagged": len(flagged),
-        "recall": (len(injected & set(flagged)) / len(injected)) if injected else None,
-        "false_alarms": len(set(flagged) - injected) if scenario.name != "high_lr" else None,
+        "eval_loss": eval_loss if math.isfinite(eval_loss) else float("nan"),
+        "diverged": (not finite_w) or not math.isfinite(final) or not math.isfinite(eval_loss),
+        "skipped": len(skipped),
+        "clipped": len(clipped),
+        "recall": (len(injected & acted) / len(injected)) if injected else None,
+        "skip_recall": (len(injected & set(skipped)) / len(injected)) if injected else None,
+        "false_skips": len(set(skipped) - injected),
+        "refused_until": None,
+        "modified_until": None,
+        "max_attn_logit": attn,
         "seconds": elapsed,
     }
+    if scenario.shift_start is not None:
+        row["refused_until"] = _accept_lag(scenario.shift_start, workload.steps, skipped)
+        row["modified_until"] = _accept_lag(scenario.shift_start, workload.steps, sorted(acted))
+    return row
 
 
-def run_local(workloads: List[Workload], scenarios: List[str], methods: List[type]) -> List[Dict[str, Any]]:
-    rows = []
+def plan(workloads: Sequence[str], scenarios: Sequence[str], seeds: Sequence[int],
+         fault_seeds: Sequence[int]) -> List[Tuple[str, str, int]]:
+    """(workload, scenario, seed) triples: clean and natural scenarios on ``seeds``, faults on
+    ``fault_seeds``; clean is always run on every seed used (it is the reference of every gap)."""
+    out: List[Tuple[str, str, int]] = []
     for w in workloads:
-        batches, held_out = w.batches(), w.batches(4, seed_offset=1000)
+        used = set()
         for s in scenarios:
-            scen = Scenario(s, w.steps, seed=w.seed)
-            for m in methods:
-                rows.append(run_cell(w, scen, m, batches, held_out))
+            if not applies(s, w):
+                continue
+            for seed in (seeds if s == "clean" or s in NATURAL else fault_seeds):
+                out.append((w, s, seed))
+                used.add(seed)
+        for seed in sorted(used):
+            if (w, "clean", seed) not in out:
+                out.append((w, "clean", seed))
+    # grouped by workload and seed, so each data stream is generated once
+    return sorted(out, key=lambda t: (W.WORKLOADS.index(t[0]), t[2], SCENARIOS.index(t[1])))
+
+
+def run_local(triples: List[Tuple[str, str, int]], methods: List[type], steps: Dict[str, int],
+              progress: bool = False) -> List[Dict[str, Any]]:
+    rows = []
+    cache: Dict[Tuple[str, int], Tuple[List[Any], List[Any]]] = {}
+    for w_name, s_name, seed in triples:
+        w = W.Workload(w_name, steps[w_name], seed=seed)
+        if (w_name, seed) not in cache:
+            cache = {(w_name, seed): (w.batches(), w.batches(4, seed_offset=1000))}
+        batches, held_out = cache[(w_name, seed)]
+        scen = Scenario(s_name, w)
+        for m in methods:
+            t0 = time.perf_counter()
+            rows.append(run_cell(w, scen, m, batches, held_out))
+            if progress:
+                print(f"  {w_name:4s} {s_name:11s} seed {seed} {m.name:42s} {time.perf_counter() - t0:5.1f}s",
+                      file=sys.stderr, flush=True)
     return rows
 
 
@@ -335,79 +451,220 @@ def run_local(workloads: List[Workload], scenarios: List[str], methods: List[typ
 
 
 def ensure_sg03_venv() -> Optional[Path]:
-    """bench/.venv-sg03 with torch==2.13.0 and stabilityguard==0.3.0 (which shares our package name)."""
+    """bench/.venv-sg03: stabilityguard==0.3.0 (which shares our package name) in its own environment.
+
+    torch and numpy come from this interpreter's site-packages through a ``.pth`` line (no second
+    torch download); ``.pth`` files in that directory are not processed there, so our own editable
+    install stays invisible and ``import stabilityguard`` finds 0.3.0.
+    """
     py = SG03_VENV / "bin" / "python"
     if py.exists():
         return py
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(SG03_VENV)], check=True, capture_output=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True, capture_output=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "stabilityguard==0.3.0", "numpy"], check=True,
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(SG03_VENV)], check=True,
                        capture_output=True)
+        site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        torch_site = Path(torch.__file__).resolve().parent.parent
+        Path(site, "zz_host_torch.pth").write_text(str(torch_site) + "\n")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site,
+                        "stabilityguard==0.3.0"], check=True, capture_output=True)
+        check = subprocess.run([str(py), "-c", "import stabilityguard, torch; print(stabilityguard.__file__)"],
+                               check=True, capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        if str(SG03_VENV.resolve()) not in str(Path(check.stdout.strip()).resolve()):
+            raise OSError(f"0.3.0 venv imports the wrong stabilityguard: {check.stdout.strip()}")
     except (subprocess.CalledProcessError, OSError) as exc:
         err = getattr(exc, "stderr", b"") or b""
-        print(f"stabilityguard 0.3.0 unavailable: {exc} {err.decode()[-500:]}", file=sys.stderr)
+        err = err.decode() if isinstance(err, bytes) else err
+        print(f"stabilityguard 0.3.0 unavailable: {exc} {err[-500:]}", file=sys.stderr)
         return None
     return py
 
 
-def run_sg03(workloads: List[Workload], scenarios: List[str]) -> List[Dict[str, Any]]:
+def run_sg03(triples: List[Tuple[str, str, int]], steps: Dict[str, int]) -> List[Dict[str, Any]]:
     py = ensure_sg03_venv()
     if py is None:
         return []
-    rows = []
-    for w in workloads:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            out = f.name
-        cmd = [str(py), str(Path(__file__).resolve()), "--worker-sg03", "--workloads", w.name, "--steps",
-               str(w.steps), "--scenarios", *scenarios, "--worker-out", out]
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file, out = Path(tmp, "plan.json"), Path(tmp, "rows.json")
+        plan_file.write_text(json.dumps({"triples": triples, "steps": steps}))
+        cmd = [str(py), str(Path(__file__).resolve()), "--worker-sg03", str(plan_file), "--worker-out", str(out)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
         if proc.returncode != 0:
             print(f"stabilityguard 0.3.0 run failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-            continue
-        rows += json.loads(Path(out).read_text())
-    return rows
+            return []
+        return json.loads(out.read_text())
 
 
-# ----------------------------------------------------------------------------------------- output
+# ----------------------------------------------------------------------------------------- summary
 
 
-def finish(rows: List[Dict[str, Any]], out: Optional[Path], scenarios: List[str]) -> str:
-    clean = {(r["workload"]): r["eval_loss"] for r in rows if r["scenario"] == "clean" and r["method"] == "plain"}
-    plain_t = {(r["workload"], r["scenario"]): r["seconds"] for r in rows if r["method"] == "plain"}
+def _gaps(rows: List[Dict[str, Any]]) -> None:
+    clean = {(r["workload"], r["seed"]): r["eval_loss"] for r in rows
+             if r["scenario"] == "clean" and r["method"] == "plain"}
+    plain_t = {(r["workload"], r["scenario"], r["seed"]): r["seconds"] for r in rows if r["method"] == "plain"}
     for r in rows:
-        base = clean.get(r["workload"])
-        ok = math.isfinite(r["eval_loss"]) and not r["diverged"]
-        r["gap_to_clean"] = ((r["eval_loss"] - base) / base) if base and ok else None
-        pt = plain_t.get((r["workload"], r["scenario"]))
+        base = clean.get((r["workload"], r["seed"]))
+        ok = not r["diverged"] and base is not None and base > 0
+        r["gap_to_clean"] = (r["eval_loss"] / base - 1.0) if ok else None
+        pt = plain_t.get((r["workload"], r["scenario"], r["seed"]))
         r["time_ratio"] = r["seconds"] / pt if pt else None
-    lines = [f"# Protection benchmark (torch {torch.__version__}, CPU, 1 thread)", ""]
-    for w in dict.fromkeys(r["workload"] for r in rows):
+
+
+def aggregate(rows: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], Dict[str, Any]]:
+    """Per (workload, scenario, method): mean, std, min, max of the eval loss and gap over seeds."""
+    cells: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["workload"], r["scenario"], r["method"]), []).append(r)
+    out = {}
+    for key, rs in cells.items():
+        n_div = sum(1 for r in rs if r["diverged"])
+        evals = [r["eval_loss"] for r in rs]
+        gaps = [r["gap_to_clean"] for r in rs]
+        ok = n_div == 0 and all(g is not None for g in gaps)
+        out[key] = {
+            "n": len(rs),
+            "diverged": n_div,
+            "eval_mean": statistics.fmean(evals) if n_div == 0 else math.inf,
+            "eval_std": statistics.pstdev(evals) if n_div == 0 and len(rs) > 1 else 0.0,
+            "gap_mean": statistics.fmean(gaps) if ok else None,
+            "gap_std": statistics.pstdev(gaps) if ok and len(rs) > 1 else 0.0,
+            "gap_min": min(gaps) if ok else None,
+            "gap_max": max(gaps) if ok else None,
+            "skipped": statistics.fmean(r["skipped"] for r in rs),
+            "clipped": statistics.fmean(r["clipped"] for r in rs),
+            "recall": rs[0]["recall"] if len(rs) == 1 else None,
+            "skip_recall": rs[0]["skip_recall"] if len(rs) == 1 else None,
+            "false_skips": max(r["false_skips"] for r in rs),
+            "refused_until": rs[0]["refused_until"],
+            "modified_until": rs[0]["modified_until"],
+            "attn": statistics.fmean(r["max_attn_logit"] for r in rs)
+            if all(r["max_attn_logit"] is not None for r in rs) else None,
+        }
+    return out
+
+
+def fmt_gap(a: Dict[str, Any]) -> str:
+    """``+12.3% ± 1.2`` (mean ± population std over seeds), ``div. (k/n)`` when a seed diverged."""
+    if a["diverged"]:
+        return f"div. ({a['diverged']}/{a['n']})"
+    if a["gap_mean"] is None:
+        return "n/a"
+    if a["n"] == 1:
+        return f"{100 * a['gap_mean']:+.1f}%"
+    return f"{100 * a['gap_mean']:+.1f}% ± {100 * a['gap_std']:.1f}"
+
+
+def _lag(v: Optional[int]) -> str:
+    return "never" if v is None else str(v)
+
+
+def targets(agg: Dict[Tuple[str, str, str], Dict[str, Any]], workloads: List[str],
+            scenarios: List[str]) -> List[Dict[str, Any]]:
+    """Per (workload, scenario): the best peer, the guard, and whether the guard meets issue 11's target."""
+    out = []
+    for w in workloads:
         for s in scenarios:
-            cell = [r for r in rows if r["workload"] == w and r["scenario"] == s]
-            if not cell:
+            peers = [(m, agg[(w, s, m)]) for m in PEER_NAMES if (w, s, m) in agg]
+            guard = agg.get((w, s, GUARD))
+            if guard is None or not peers:
                 continue
-            lines += [f"## {w} / {s}", "",
-                      "| method | final loss | eval loss | diverged | eval gap to clean | flagged | recall | not injected | time vs plain |",
-                      "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
-            for r in cell:
-                fl = f"{r['final_loss']:.4f}" if math.isfinite(r["final_loss"]) else "nan"
-                ev = f"{r['eval_loss']:.4f}" if math.isfinite(r["eval_loss"]) else "nan"
-                gap = f"{100 * r['gap_to_clean']:+.2f}%" if r["gap_to_clean"] is not None else "n/a"
-                rec = f"{100 * r['recall']:.0f}%" if r["recall"] is not None else "-"
-                fa = str(r["false_alarms"]) if r["false_alarms"] is not None else "-"
-                tr = f"{r['time_ratio']:.2f}x" if r["time_ratio"] else "-"
-                lines.append(f"| {r['method']} | {fl} | {ev} | {'yes' if r['diverged'] else 'no'} | {gap} | {r['flagged']} | "
-                             f"{rec} | {fa} | {tr} |")
+            best_name, best = min(peers, key=lambda p: (p[1]["diverged"], p[1]["eval_mean"]))
+            t: Dict[str, Any] = {"workload": w, "scenario": s, "best_peer": best_name, "best": best, "guard": guard}
+            if s == "clean":
+                plain = agg.get((w, s, "plain"))
+                d = guard["eval_mean"] / plain["eval_mean"] - 1.0 if plain and not guard["diverged"] else math.inf
+                t["target"] = "within 0.1% of plain AdamW"
+                t["met"] = abs(d) <= 0.001
+                t["detail"] = f"{100 * d:+.3f}% vs plain, {guard['clipped']:.1f} steps clipped, {guard['skipped']:.1f} skipped"
+            elif s in NATURAL:
+                delta = guard["eval_mean"] - best["eval_mean"]
+                t["target"] = "eval loss <= best peer (mean over seeds)"
+                t["met"] = not guard["diverged"] and delta <= 0
+                t["detail"] = ("diverged" if guard["diverged"] else
+                               f"{delta:+.4f} nats vs best peer ({100 * delta / best['eval_mean']:+.2f}%)"
+                               if math.isfinite(best["eval_mean"]) else "best peer diverged")
+            elif s == "level_shift":
+                lag = guard["modified_until"]
+                t["target"] = f"accepted within {ACCEPT_WITHIN} steps"
+                t["met"] = lag is not None and lag <= ACCEPT_WITHIN and not guard["diverged"]
+                t["detail"] = (f"refused for {_lag(guard['refused_until'])} steps, modified for "
+                               f"{_lag(lag)} steps after the shift")
+            elif s == "bad_run":
+                t["target"] = "5 consecutive bad batches refused"
+                t["met"] = guard["skip_recall"] == 1.0 and not guard["diverged"]
+                t["detail"] = f"refused {round(5 * (guard['skip_recall'] or 0))}/5, {guard['false_skips']} false skips"
+            elif s == "drift":
+                t["target"] = "0 false skips, never diverges"
+                t["met"] = guard["false_skips"] == 0 and not guard["diverged"]
+                t["detail"] = f"{guard['false_skips']} false skips, {guard['clipped']:.0f} clipped"
+            else:
+                t["target"] = "100% recall, 0 false skips, never diverges"
+                t["met"] = guard["recall"] == 1.0 and guard["false_skips"] == 0 and not guard["diverged"]
+                t["detail"] = (f"recall {100 * (guard['recall'] or 0):.0f}% (skipped "
+                               f"{100 * (guard['skip_recall'] or 0):.0f}%), {guard['false_skips']} false skips")
+            out.append(t)
+    return out
+
+
+def render(rows: List[Dict[str, Any]], methods: List[str], seeds: Sequence[int]) -> Tuple[str, List[Dict[str, Any]]]:
+    """The markdown report: targets table, then one table per workload (scenarios x methods)."""
+    _gaps(rows)
+    agg = aggregate(rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    scenarios = [s for s in SCENARIOS if any(r["scenario"] == s for r in rows)]
+    tg = targets(agg, workloads, scenarios)
+    lines = [f"# Protection benchmark (torch {torch.__version__}, CPU, 1 thread)", "",
+             f"Natural scenarios and clean: seeds {list(seeds)}, mean ± population std of the eval-loss gap "
+             "to the clean plain run of the same seed (min..max in the CSV); injected faults: one seed.", ""]
+    if tg:
+        met = sum(1 for t in tg if t["met"])
+        lines += [f"## Targets of issue 11, default configuration ({met}/{len(tg)} met)", "",
+                  "| workload | scenario | best peer | best peer gap | guard gap | target | met | detail |",
+                  "|---|---|---|---:|---:|---|---|---|"]
+        for t in tg:
+            lines.append(f"| {t['workload']} | {t['scenario']} | {t['best_peer']} | {fmt_gap(t['best'])} | "
+                         f"{fmt_gap(t['guard'])} | {t['target']} | {'yes' if t['met'] else '**no**'} | {t['detail']} |")
+        lines.append("")
+    for w in workloads:
+        present = [m for m in methods if any(r["workload"] == w and r["method"] == m for r in rows)]
+        lines += [f"## {w}: eval-loss gap to the clean plain run (skipped / clipped steps, mean over seeds)", "",
+                  "| scenario | " + " | ".join(present) + " |", "|---|" + "---:|" * len(present)]
+        for s in scenarios:
+            cells = []
+            for m in present:
+                a = agg.get((w, s, m))
+                if a is None:
+                    cells.append("-")
+                    continue
+                extra = f"{a['skipped']:.0f}/{a['clipped']:.0f}"
+                if a["recall"] is not None:
+                    extra += f", recall {100 * a['recall']:.0f}%"
+                if s == "level_shift":
+                    extra += f", accepted after {_lag(a['modified_until'])}"
+                cells.append(f"{fmt_gap(a)} ({extra})")
+            if any(c != "-" for c in cells):
+                lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
+        attn = [(s, m, agg[(w, s, m)]["attn"]) for s in scenarios for m in present
+                if (w, s, m) in agg and agg[(w, s, m)]["attn"] is not None and s in ("clean", "attn_logit")]
+        if attn:
+            lines.append(f"Largest attention logit after training ({w}, mean over seeds, diverged runs left out): "
+                         + "; ".join(f"{s} / {m}: {v:.0f}" for s, m, v in attn) + ".")
             lines.append("")
-    lines += ["final loss: mean training loss of the last 10% of steps. eval loss: mean loss of 4 held-out "
-              "batches after training; the gap to the clean plain run uses it (less noisy than the training "
-              "tail). flagged: steps the method skipped (skip methods) or clipped (clip_grad_norm_, ZClip). "
-              "recall: injected faults flagged. not injected: flagged steps without an injected fault "
-              "(false alarms for skip methods; ordinary clipping for clippers). time vs plain: cells run one "
-              "after another on a shared machine, see bench/overhead.py for the precise overhead.", ""]
-    text = "\n".join(lines)
+    lines += ["Gap: eval loss (4 held-out batches after training) relative to the clean plain run of the same "
+              "workload and seed; `div. (k/n)`: k of n seeds ended with non-finite weights or loss. Skipped: steps "
+              "refused; clipped: steps whose gradient the method scaled down (for clip_grad_norm_ and ZClip that "
+              "is their ordinary operation). Recall: injected steps skipped or clipped. False skips: skipped steps "
+              "without an injected fault. Level shift: steps after the shift until the method stops skipping or "
+              "clipping the shifted steps ('never': still at the end of the run).", ""]
+    return "\n".join(lines), tg
+
+
+def finish(rows: List[Dict[str, Any]], out: Optional[Path], methods: List[str], seeds: Sequence[int]) -> str:
+    text, tg = render(rows, methods, seeds)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(text)
@@ -415,69 +672,95 @@ def finish(rows: List[Dict[str, Any]], out: Optional[Path], scenarios: List[str]
             wr = csv.DictWriter(f, fieldnames=list(rows[0]))
             wr.writeheader()
             wr.writerows(rows)
-        _plot(rows, out.with_suffix(".png"))
+        _plot(rows, methods, out.with_suffix(".png"))
     return text
 
 
-def _plot(rows: List[Dict[str, Any]], path: Path) -> None:
+def _plot(rows: List[Dict[str, Any]], methods: List[str], path: Path) -> None:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return
+    agg = aggregate(rows)
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig = Figure(figsize=(11, 3.5 * len(workloads)), dpi=100)
+    fig = Figure(figsize=(12, 3.6 * len(workloads)), dpi=100)
     FigureCanvasAgg(fig)
     for wi, w in enumerate(workloads):
         ax = fig.add_subplot(len(workloads), 1, wi + 1)
-        scen = list(dict.fromkeys(r["scenario"] for r in rows if r["workload"] == w))
-        width = 0.8 / len(methods)
-        for mi, m in enumerate(methods):
-            ys = []
-            for s in scen:
-                r = next((r for r in rows if r["workload"] == w and r["scenario"] == s and r["method"] == m), None)
-                ys.append(r["eval_loss"] if r and not r["diverged"] else float("nan"))
-            xs = [i + mi * width for i in range(len(scen))]
-            ax.bar(xs, ys, width=width, label=m)
-            for x, y in zip(xs, ys):
-                if not math.isfinite(y):
-                    ax.text(x, 0, "div.", rotation=90, fontsize=7, ha="center", va="bottom", color="red")
+        scen = [s for s in SCENARIOS if any(r["workload"] == w and r["scenario"] == s for r in rows)]
+        present = [m for m in methods if any(r["workload"] == w and r["method"] == m for r in rows)]
+        width = 0.8 / max(1, len(present))
+        for mi, m in enumerate(present):
+            xs, ys, es = [], [], []
+            for i, s in enumerate(scen):
+                a = agg.get((w, s, m))
+                x = i + mi * width
+                if a is None:
+                    continue
+                if a["diverged"] or a["gap_mean"] is None:
+                    ax.text(x, 1.0, "div.", rotation=90, fontsize=6, ha="center", va="bottom", color="red")
+                    continue
+                xs.append(x)
+                ys.append(1.0 + a["gap_mean"])
+                es.append(a["gap_std"])
+            ax.bar(xs, ys, width=width, yerr=es, label=m, capsize=1.5)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="black", lw=0.5)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scen))])
-        ax.set_xticklabels(scen)
-        ax.set_ylabel("eval loss")
-        ax.set_title(f"{w}: held-out loss after training, per scenario (div. = diverged)")
+        ax.set_xticklabels(scen, fontsize=8)
+        ax.set_ylabel("eval loss / clean plain")
+        ax.set_title(f"{w}: held-out loss relative to the clean plain run (mean ± std over seeds; div. = diverged)",
+                     fontsize=9)
         if wi == 0:
-            ax.legend(fontsize=7, ncol=3)
+            ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(path)
 
 
-def main(argv=None) -> List[Dict[str, Any]]:
-    ap = argparse.ArgumentParser(description="protection benchmark")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--workloads", nargs="*")
-    ap.add_argument("--scenarios", nargs="*")
+# ----------------------------------------------------------------------------------------- main
+
+
+def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    ap = argparse.ArgumentParser(description="protection benchmark (see the module docstring)")
+    ap.add_argument("--quick", action="store_true", help="seconds: 60 steps, gpt, 2 seeds, a few scenarios")
+    ap.add_argument("--steps", type=int, help="steps per run for every workload (default: gpt/cnn 200, mlp 300)")
+    ap.add_argument("--workloads", nargs="*", choices=list(W.WORKLOADS))
+    ap.add_argument("--scenarios", nargs="*", choices=SCENARIOS)
+    ap.add_argument("--seeds", nargs="*", type=int, help="seeds of clean and natural scenarios (default 0 1 2)")
+    ap.add_argument("--fault-seeds", nargs="*", type=int, help="seeds of injected faults (default: the first seed)")
+    ap.add_argument("--methods", nargs="*", choices=list(ALL_METHODS), help=f"default {DEFAULT_METHODS}")
     ap.add_argument("--no-sg03", action="store_true", help="leave out the 0.3.0 release")
+    ap.add_argument("--progress", action="store_true", help="one line per run on stderr")
     ap.add_argument("--out", type=Path, help="write OUT.md, OUT.csv and OUT.png")
-    ap.add_argument("--worker-sg03", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-sg03", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    steps = args.steps or (160 if args.quick else 300)
-    workloads = [Workload(n, steps) for n in (args.workloads or (["gpt"] if args.quick else ["gpt", "mlp"]))]
-    scenarios = args.scenarios or (QUICK_SCENARIOS if args.quick else SCENARIOS)
     if args.worker_sg03:
-        rows = run_local(workloads, scenarios, [SG03])
+        spec = json.loads(Path(args.worker_sg03).read_text())
+        rows = run_local([tuple(t) for t in spec["triples"]], [SG03], spec["steps"])
         Path(args.worker_out).write_text(json.dumps(rows))
         return rows
-    rows = run_local(workloads, scenarios, LOCAL_METHODS)
-    if not args.no_sg03:
-        rows += run_sg03(workloads, scenarios)
-    order = [m.name for m in LOCAL_METHODS[:4]] + [SG03.name] + [m.name for m in LOCAL_METHODS[4:]]
-    rows.sort(key=lambda r: (r["workload"], scenarios.index(r["scenario"]), order.index(r["method"])))
-    print(finish(rows, args.out, scenarios))
+    if args.steps is not None and args.steps < 20:
+        ap.error(f"--steps must be >= 20, got {args.steps}")
+    workloads = args.workloads or (["gpt"] if args.quick else list(W.WORKLOADS))
+    scenarios = args.scenarios or (["clean", "high_lr", "nan", "level_shift"] if args.quick else SCENARIOS)
+    seeds = args.seeds if args.seeds else ([0, 1] if args.quick else [0, 1, 2])
+    fault_seeds = args.fault_seeds if args.fault_seeds else seeds[:1]
+    keys = args.methods or (["plain", "clip", "adagc", "ours"] if args.quick else DEFAULT_METHODS)
+    if args.no_sg03 and "sg03" in keys:
+        keys = [k for k in keys if k != "sg03"]
+    steps = {w: args.steps or (60 if args.quick else DEFAULT_STEPS[w]) for w in W.WORKLOADS}
+    triples = plan(workloads, scenarios, seeds, fault_seeds)
+    local = [ALL_METHODS[k] for k in keys if k != "sg03"]
+    rows = run_local(triples, local, steps, progress=args.progress)
+    if "sg03" in keys:
+        rows += run_sg03(triples, steps)
+    order = [ALL_METHODS[k].name for k in keys]
+    rows.sort(key=lambda r: (W.WORKLOADS.index(r["workload"]), SCENARIOS.index(r["scenario"]), r["seed"],
+                             order.index(r["method"])))
+    print(finish(rows, args.out, order, seeds))
     return rows
 
 
