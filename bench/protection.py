@@ -498,6 +498,59 @@ def run_sg03(triples: List[Tuple[str, str, int]], steps: Dict[str, int]) -> List
         return json.loads(out.read_text())
 
 
+# ----------------------------------------------------------------------------------------- reuse
+
+_INT = ("seed", "steps", "skipped", "clipped", "false_skips", "refused_until", "modified_until")
+_FLOAT = ("final_loss", "eval_loss", "recall", "skip_recall", "max_attn_logit", "seconds")
+_COLUMNS = ("workload", "scenario", "method", "diverged") + _INT + _FLOAT
+
+
+def load_rows(path: Path) -> List[Dict[str, Any]]:
+    """Rows of an earlier run's CSV (``--out``), typed again; raises ValueError on a foreign or corrupt file.
+
+    Example:
+        >>> rows = load_rows(Path("bench/results/protection.csv"))  # doctest: +SKIP
+    """
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            raw = list(reader)
+            header = reader.fieldnames or []
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not set(_COLUMNS) <= set(header):
+        raise ValueError(f"{path} is not a protection.py CSV (columns {sorted(set(_COLUMNS) - set(header))} missing)")
+    rows = []
+    for i, r in enumerate(raw, start=2):
+        missing = [c for c in _COLUMNS if c not in r or r[c] is None]
+        if missing:
+            raise ValueError(f"{path}: line {i} lacks columns {missing}: not a protection.py CSV")
+        try:
+            row: Dict[str, Any] = {c: r[c] for c in ("workload", "scenario", "method")}
+            if r["diverged"] not in ("True", "False"):
+                raise ValueError(f"diverged={r['diverged']!r}")
+            row["diverged"] = r["diverged"] == "True"
+            for c in _INT:
+                row[c] = int(r[c]) if r[c] != "" else None
+            for c in _FLOAT:
+                row[c] = float(r[c]) if r[c] != "" else None
+        except ValueError as exc:
+            raise ValueError(f"{path}: line {i}: {exc}") from exc
+        if row["workload"] not in W.WORKLOADS or row["scenario"] not in SCENARIOS:
+            raise ValueError(f"{path}: line {i}: unknown workload or scenario {row['workload']!r}/{row['scenario']!r}")
+        rows.append(row)
+    return rows
+
+
+def reuse(path: Path, triples: List[Tuple[str, str, int]], steps: Dict[str, int],
+          skip_methods: Sequence[str]) -> List[Dict[str, Any]]:
+    """The rows of ``path`` that belong to this plan (same workload, scenario, seed and steps) and to a
+    method not run now: peers do not depend on the guard, so their rows can be carried over."""
+    wanted = set(triples)
+    return [r for r in load_rows(path) if (r["workload"], r["scenario"], r["seed"]) in wanted
+            and r["steps"] == steps[r["workload"]] and r["method"] not in skip_methods]
+
+
 # ----------------------------------------------------------------------------------------- summary
 
 
@@ -733,6 +786,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--no-sg03", action="store_true", help="leave out the 0.3.0 release")
     ap.add_argument("--progress", action="store_true", help="one line per run on stderr")
     ap.add_argument("--out", type=Path, help="write OUT.md, OUT.csv and OUT.png")
+    ap.add_argument("--reuse", type=Path, help="take the rows of methods not run now from this CSV (same plan)")
     ap.add_argument("--worker-sg03", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -754,10 +808,22 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     steps = {w: args.steps or (60 if args.quick else DEFAULT_STEPS[w]) for w in W.WORKLOADS}
     triples = plan(workloads, scenarios, seeds, fault_seeds)
     local = [ALL_METHODS[k] for k in keys if k != "sg03"]
+    order = [ALL_METHODS[k].name for k in keys]
+    old: List[Dict[str, Any]] = []
+    if args.reuse is not None:
+        try:
+            old = reuse(args.reuse, triples, steps, order)
+        except ValueError as exc:
+            ap.error(str(exc))
     rows = run_local(triples, local, steps, progress=args.progress)
     if "sg03" in keys:
         rows += run_sg03(triples, steps)
-    order = [ALL_METHODS[k].name for k in keys]
+    if old:
+        known = {m.name: m.key for m in ALL_METHODS.values()}
+        extra = [known.get(m) for m in dict.fromkeys(r["method"] for r in old)]
+        keys_all = [k for k in [m.key for m in PEERS + OURS] if k in keys or k in extra]
+        order = [ALL_METHODS[k].name for k in keys_all]
+        rows += [r for r in old if r["method"] in order]
     rows.sort(key=lambda r: (W.WORKLOADS.index(r["workload"]), SCENARIOS.index(r["scenario"]), r["seed"],
                              order.index(r["method"])))
     print(finish(rows, args.out, order, seeds))
