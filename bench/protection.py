@@ -338,14 +338,17 @@ PEER_NAMES = [m.name for m in PEERS]
 # ----------------------------------------------------------------------------------------- a run
 
 
-def _accept_lag(start: int, steps: int, marked: Sequence[int]) -> Optional[int]:
-    """Steps from ``start`` until the last marked step at or after it, +1 (0: never marked; None: marked
-    up to the end of the run, i.e. never accepted)."""
+NEVER = -1  # a level shift still refused or modified at the end of the run
+
+
+def _accept_lag(start: int, steps: int, marked: Sequence[int]) -> int:
+    """Steps from ``start`` until the last marked step at or after it, +1 (0: never marked; ``NEVER``:
+    marked up to the end of the run, i.e. never accepted)."""
     after = [s for s in marked if s >= start]
     if not after:
         return 0
     last = max(after)
-    return None if last >= steps - 1 else last - start + 1
+    return NEVER if last >= steps - 1 else last - start + 1
 
 
 def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batches: List[Any],
@@ -566,6 +569,19 @@ def _gaps(rows: List[Dict[str, Any]]) -> None:
         r["time_ratio"] = r["seconds"] / pt if pt else None
 
 
+def _mean_or_none(values: Any) -> Optional[float]:
+    vals = list(values)
+    return None if not vals or any(v is None for v in vals) else statistics.fmean(vals)
+
+
+def _worst_lag(values: Any) -> Optional[int]:
+    """The longest lag over seeds (``NEVER`` wins); None where the scenario has no level shift."""
+    vals = list(values)
+    if not vals or any(v is None for v in vals):
+        return None
+    return NEVER if NEVER in vals else max(vals)
+
+
 def aggregate(rows: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], Dict[str, Any]]:
     """Per (workload, scenario, method): mean, std, min, max of the eval loss and gap over seeds."""
     cells: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
@@ -588,11 +604,11 @@ def aggregate(rows: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], Dict[str
             "gap_max": max(gaps) if ok else None,
             "skipped": statistics.fmean(r["skipped"] for r in rs),
             "clipped": statistics.fmean(r["clipped"] for r in rs),
-            "recall": rs[0]["recall"] if len(rs) == 1 else None,
-            "skip_recall": rs[0]["skip_recall"] if len(rs) == 1 else None,
+            "recall": _mean_or_none(r["recall"] for r in rs),
+            "skip_recall": _mean_or_none(r["skip_recall"] for r in rs),
             "false_skips": max(r["false_skips"] for r in rs),
-            "refused_until": rs[0]["refused_until"],
-            "modified_until": rs[0]["modified_until"],
+            "refused_until": _worst_lag(r["refused_until"] for r in rs),
+            "modified_until": _worst_lag(r["modified_until"] for r in rs),
             "attn": statistics.fmean(r["max_attn_logit"] for r in rs)
             if all(r["max_attn_logit"] is not None for r in rs) else None,
         }
@@ -611,7 +627,7 @@ def fmt_gap(a: Dict[str, Any]) -> str:
 
 
 def _lag(v: Optional[int]) -> str:
-    return "never" if v is None else str(v)
+    return "-" if v is None else "never" if v == NEVER else str(v)
 
 
 def targets(agg: Dict[Tuple[str, str, str], Dict[str, Any]], workloads: List[str],
@@ -642,7 +658,7 @@ def targets(agg: Dict[Tuple[str, str, str], Dict[str, Any]], workloads: List[str
             elif s == "level_shift":
                 lag = guard["modified_until"]
                 t["target"] = f"accepted within {ACCEPT_WITHIN} steps"
-                t["met"] = lag is not None and lag <= ACCEPT_WITHIN and not guard["diverged"]
+                t["met"] = lag is not None and 0 <= lag <= ACCEPT_WITHIN and not guard["diverged"]
                 t["detail"] = (f"refused for {_lag(guard['refused_until'])} steps, modified for "
                                f"{_lag(lag)} steps after the shift")
             elif s == "bad_run":
@@ -791,6 +807,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     if args.worker_sg03:
         spec = json.loads(Path(args.worker_sg03).read_text())
         rows = run_local([tuple(t) for t in spec["triples"]], [SG03], spec["steps"])
@@ -827,6 +844,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     rows.sort(key=lambda r: (W.WORKLOADS.index(r["workload"]), SCENARIOS.index(r["scenario"]), r["seed"],
                              order.index(r["method"])))
     print(finish(rows, args.out, order, seeds))
+    print(f"{len(rows)} runs; {time.perf_counter() - t_start:.0f} s wall, {time.process_time() - cpu_start:.0f} s CPU "
+          "in this process (the 0.3.0 runs are in a subprocess)", file=sys.stderr)
     return rows
 
 
