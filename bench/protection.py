@@ -309,6 +309,12 @@ class OursHelene(Ours):
     options = {"enable_helene": True}
 
 
+class OursUngraded(Ours):
+    name = "ours, graded_response=False"
+    key = "ours_ungraded"
+    options = {"graded_response": False}
+
+
 class SG03(Method):
     name = "stabilityguard 0.3.0"
     key = "sg03"
@@ -329,7 +335,7 @@ class SG03(Method):
 
 
 PEERS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, AdaGCMethod, SG03]
-OURS: List[type] = [Ours, OursSpam, OursCalibrated, OursHelene]
+OURS: List[type] = [Ours, OursUngraded, OursSpam, OursCalibrated, OursHelene]
 ALL_METHODS: Dict[str, type] = {m.key: m for m in PEERS + OURS}
 DEFAULT_METHODS = ["plain", "clip", "zclip", "olmo", "adagc", "sg03", "ours"]
 GUARD = Ours.name
