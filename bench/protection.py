@@ -164,9 +164,13 @@ def _grad_norm(params: Sequence[torch.Tensor]) -> float:
 
 
 class Method:
-    """Plain AdamW. ``step(loss, step)`` after backward returns ``"skip"``, ``"clip"`` or None."""
+    """Plain AdamW. ``step(loss, step)`` after backward returns ``"skip"``, ``"clip"`` or None.
+
+    ``name`` labels the rows (CSV); ``short`` heads the markdown tables.
+    """
 
     name = "plain"
+    short = "plain AdamW"
     key = "plain"
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, log_dir: str) -> None:
@@ -192,6 +196,7 @@ class Method:
 
 class Clip(Method):
     name = "clip_grad_norm_(1.0)"
+    short = "clip 1.0"
     key = "clip"
 
     def step(self, loss, step):
@@ -202,6 +207,7 @@ class Clip(Method):
 
 class ZClipMethod(Method):
     name = "ZClip (defaults)"
+    short = "ZClip"
     key = "zclip"
 
     def __init__(self, model, lr, weight_decay, log_dir):
@@ -223,6 +229,7 @@ class OlmoSkip(Method):
     6 std of the last 128 accepted values (our implementation of that rule; needs 20 values first)."""
 
     name = "OLMo-style skip (128, 6 sigma)"
+    short = "OLMo-style skip"
     key = "olmo"
 
     def __init__(self, model, lr, weight_decay, log_dir):
@@ -255,6 +262,7 @@ class AdaGCMethod(Method):
     runs of a few hundred steps)."""
 
     name = "AdaGC (our implementation from the paper)"
+    short = "AdaGC*"
     key = "adagc"
 
     def __init__(self, model, lr, weight_decay, log_dir):
@@ -269,6 +277,7 @@ class AdaGCMethod(Method):
 
 class Ours(Method):
     name = "stabilityguard (ours, default)"
+    short = "**ours**"
     key = "ours"
     options: Dict[str, Any] = {}
 
@@ -294,30 +303,35 @@ class Ours(Method):
 
 class OursSpam(Ours):
     name = "ours + enable_spam"
+    short = "ours + spam"
     key = "ours_spam"
     options = {"enable_spam": True}
 
 
 class OursCalibrated(Ours):
     name = "ours + auto-calibration"
+    short = "ours + calibration"
     key = "ours_calibrated"
     options = {"enable_auto_calibration": True}
 
 
 class OursHelene(Ours):
     name = "ours + helene"
+    short = "ours + helene"
     key = "ours_helene"
     options = {"enable_helene": True}
 
 
 class OursUngraded(Ours):
     name = "ours, graded_response=False"
+    short = "ours, ungraded"
     key = "ours_ungraded"
     options = {"graded_response": False}
 
 
 class SG03(Method):
     name = "stabilityguard 0.3.0"
+    short = "sg 0.3.0"
     key = "sg03"
 
     def __init__(self, model, lr, weight_decay, log_dir):
@@ -340,6 +354,7 @@ OURS: List[type] = [Ours, OursUngraded, OursSpam, OursCalibrated, OursHelene]
 ALL_METHODS: Dict[str, type] = {m.key: m for m in PEERS + OURS}
 DEFAULT_METHODS = ["plain", "clip", "zclip", "olmo", "adagc", "sg03", "ours"]
 GUARD = Ours.name
+SHORT: Dict[str, str] = {m.name: m.short for m in PEERS + OURS}
 PEER_NAMES = [m.name for m in PEERS]
 
 # ----------------------------------------------------------------------------------------- a run
@@ -702,13 +717,14 @@ def render(rows: List[Dict[str, Any]], methods: List[str], seeds: Sequence[int])
                   "| workload | scenario | best peer | best peer gap | guard gap | target | met | detail |",
                   "|---|---|---|---:|---:|---|---|---|"]
         for t in tg:
-            lines.append(f"| {t['workload']} | {t['scenario']} | {t['best_peer']} | {fmt_gap(t['best'])} | "
+            lines.append(f"| {t['workload']} | {t['scenario']} | {SHORT.get(t['best_peer'], t['best_peer'])} | {fmt_gap(t['best'])} | "
                          f"{fmt_gap(t['guard'])} | {t['target']} | {'yes' if t['met'] else '**no**'} | {t['detail']} |")
         lines.append("")
     for w in workloads:
         present = [m for m in methods if any(r["workload"] == w and r["method"] == m for r in rows)]
         lines += [f"## {w}: eval-loss gap to the clean plain run (skipped / clipped steps, mean over seeds)", "",
-                  "| scenario | " + " | ".join(present) + " |", "|---|" + "---:|" * len(present)]
+                  "| scenario | " + " | ".join(SHORT.get(m, m) for m in present) + " |",
+                  "|---|" + "---:|" * len(present)]
         for s in scenarios:
             cells = []
             for m in present:
@@ -731,6 +747,8 @@ def render(rows: List[Dict[str, Any]], methods: List[str], seeds: Sequence[int])
             lines.append(f"Largest attention logit after training ({w}, mean over seeds, diverged runs left out): "
                          + "; ".join(f"{s} / {m}: {v:.0f}" for s, m, v in attn) + ".")
             lines.append("")
+    lines += ["Methods: " + "; ".join(f"{SHORT.get(m, m)} = {m}" for m in methods) + ". AdaGC*: our implementation "
+              "from the paper (arXiv:2502.11034), bench/peers.py.", ""]
     lines += [f"Gap: eval loss ({HELD_OUT} held-out batches after training) relative to the clean plain run of the same "
               "workload and seed; `div. (k/n)`: k of n seeds ended with non-finite weights or loss. Skipped: steps "
               "refused; clipped: steps whose gradient the method scaled down (for clip_grad_norm_ and ZClip that "
@@ -811,6 +829,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--progress", action="store_true", help="one line per run on stderr")
     ap.add_argument("--out", type=Path, help="write OUT.md, OUT.csv and OUT.png")
     ap.add_argument("--reuse", type=Path, help="take the rows of methods not run now from this CSV (same plan)")
+    ap.add_argument("--from-csv", type=Path, help="run nothing: render the tables (and --out) from this CSV")
     ap.add_argument("--worker-sg03", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -820,6 +839,18 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         spec = json.loads(Path(args.worker_sg03).read_text())
         rows = run_local([tuple(t) for t in spec["triples"]], [SG03], spec["steps"])
         Path(args.worker_out).write_text(json.dumps(rows))
+        return rows
+    if args.from_csv is not None:
+        try:
+            rows = load_rows(args.from_csv)
+        except ValueError as exc:
+            ap.error(str(exc))
+        if not rows:
+            ap.error(f"{args.from_csv} has no rows")
+        names = list(dict.fromkeys(r["method"] for r in rows))
+        order = [m.name for m in PEERS + OURS if m.name in names] + [n for n in names if n not in SHORT]
+        seeds_seen = sorted({r["seed"] for r in rows if r["scenario"] == "clean"})
+        print(finish(rows, args.out, order, seeds_seen))
         return rows
     if args.steps is not None and args.steps < 20:
         ap.error(f"--steps must be >= 20, got {args.steps}")

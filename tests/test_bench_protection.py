@@ -259,6 +259,9 @@ def test_reuse_carries_peer_rows_over(bench, tmp_path):
         assert again["skipped"] == r["skipped"]
     assert ("spike", "stabilityguard (ours, default)") in by
     assert by[("spike", "stabilityguard (ours, default)")]["gap_to_clean"] is not None
+    rendered = bench["main"](["--from-csv", str(out.with_suffix(".csv"))])
+    assert [(r["scenario"], r["method"], r["eval_loss"]) for r in rendered] == \
+        [(r["scenario"], r["method"], r["eval_loss"]) for r in first]
     # another plan (other steps): nothing reused
     other = bench["main"](["--steps", "31", "--workloads", "mlp", "--scenarios", "clean", "--seeds", "0",
                            "--methods", "ours", "--reuse", str(out.with_suffix(".csv"))])
@@ -279,6 +282,8 @@ def test_reuse_rejects_foreign_or_corrupt_csv(bench, tmp_path, content):
     with pytest.raises(SystemExit):
         bench["main"](["--steps", "30", "--workloads", "mlp", "--scenarios", "clean", "--seeds", "0",
                        "--methods", "plain", "--reuse", str(path)])
+    with pytest.raises(SystemExit):
+        bench["main"](["--from-csv", str(path)])
 
 
 @pytest.mark.parametrize("argv", [["--steps", "5"], ["--workloads", "resnet"], ["--methods", "sgd"],
