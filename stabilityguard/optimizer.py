@@ -132,6 +132,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         spam_lr_reduction: LR factor at a refused step with ``enable_spam`` (recovers to 1).
         spam_recovery_steps: Accepted steps for the LR factor to recover to 1.
         spam_reset_scope: ``"spiked"`` or ``"all"`` tensors are reset.
+        spam_warmup_steps: Accepted steps over which the reset tensors' update grows back from the
+            pre-spike size (the first update after a reset is at most that size); 0 = no warm-up.
         enable_auto_calibration: Learn a threshold per layer during ``auto_calibration_warmup_steps``
             accepted steps (only NaN/Inf is caught meanwhile); never above ``spike_threshold``.
         auto_calibration_warmup_steps: Accepted steps of statistics before the thresholds are set.
@@ -144,8 +146,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             optimizer's stability threshold; emits ``sharpness`` and ``eos_warning`` events, never skips.
         eos_check_interval: Steps between sharpness checks.
         eos_power_iterations: Most Hessian-vector products per power-iteration check.
-        eos_method: ``"power"`` (needs ``eos_probe`` or ``step(closure)``), ``"secant"`` (curvature along
-            the update from consecutive gradients, no extra passes) or ``"both"``.
+        eos_method: ``"auto"`` (power method with ``eos_probe`` or ``step(closure)``, else the secant),
+            ``"power"`` (needs ``eos_probe`` or ``step(closure)``), ``"secant"`` (curvature along the
+            update from consecutive gradients, no extra passes) or ``"both"``.
         eos_hvp: ``"auto"``, ``"autograd"`` or ``"finite_difference"`` Hessian-vector products.
         eos_warning_ratio: Sharpness / threshold from which a check emits ``eos_warning``.
         eos_probe: Callable returning the loss on a fixed probe batch (no ``backward()`` inside), for
@@ -191,6 +194,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         spam_lr_reduction: float = 0.5,
         spam_recovery_steps: int = 100,
         spam_reset_scope: str = "spiked",
+        spam_warmup_steps: int = 20,
         enable_auto_calibration: bool = False,
         auto_calibration_warmup_steps: int = 100,
         enable_helene: bool = False,
@@ -199,7 +203,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         enable_edge_of_stability: bool = False,
         eos_check_interval: int = 10,
         eos_power_iterations: int = 20,
-        eos_method: str = "power",
+        eos_method: str = "auto",
         eos_hvp: str = "auto",
         eos_warning_ratio: float = 1.0,
         eos_probe: Optional[Callable[[], torch.Tensor]] = None,
@@ -234,6 +238,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 spam_lr_reduction=spam_lr_reduction,
                 spam_recovery_steps=spam_recovery_steps,
                 spam_reset_scope=spam_reset_scope,
+                spam_warmup_steps=spam_warmup_steps,
                 enable_auto_calibration=enable_auto_calibration,
                 auto_calibration_warmup_steps=auto_calibration_warmup_steps,
                 enable_helene=enable_helene,
@@ -289,7 +294,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._spam: Optional[MomentumReset] = None
         if config.enable_spam:
             self._spam = MomentumReset(base_opt, lr_reduction=config.spam_lr_reduction,
-                                       recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope)
+                                       recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope,
+                                       warmup_steps=config.spam_warmup_steps)
 
         self._eos: Optional[EdgeOfStabilityMonitor] = None
         if config.enable_edge_of_stability:

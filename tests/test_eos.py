@@ -121,7 +121,7 @@ def _train(tmp_path, steps=25, closure=False, model_kind="bn", **eos):
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
     px, py = data[0]
-    if eos.get("enable_edge_of_stability") and eos.get("eos_method", "power") != "secant" and not closure:
+    if eos.get("enable_edge_of_stability") and eos.get("eos_method", "auto") != "secant" and not closure:
         eos.setdefault("eos_probe", lambda: (model(px) - py).pow(2).mean())
     opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, log_dir=tmp_path,
                            verbose=False, log_every=1, **eos)
@@ -269,9 +269,9 @@ def test_bad_edge_of_stability_arguments_fail_at_construction():
 def test_power_method_without_a_loss_fails_at_the_first_step():
     m = torch.nn.Linear(2, 1)
     opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
-                           enable_edge_of_stability=True)
+                           enable_edge_of_stability=True, eos_method="power")
     m(torch.randn(4, 2)).sum().backward()
-    with pytest.raises(ConfigError, match="eos_probe=.*step\\(closure\\).*eos_method='secant'"):
+    with pytest.raises(ConfigError, match="eos_method='power' needs a loss.*eos_probe=.*step\\(closure\\).*'secant' or 'auto'"):
         opt.step()
     secant = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
                               enable_edge_of_stability=True, eos_method="secant")

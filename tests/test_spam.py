@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import statistics
 
+import numpy as np
 import pytest
 import torch
 
 from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
-from stabilityguard.testing import scale_grad
+from stabilityguard.features.spam import MomentumReset
+from stabilityguard.testing import MarkovData, TinyGPT, scale_grad
 
 
 def test_reset_spiking_tensors_and_next_update_is_not_inflated(run_factory):
@@ -112,3 +115,124 @@ def test_spam_state_round_trip(run_factory):
     fresh.load_state_dict(state)
     assert fresh._spam.state_dict() == run.opt._spam.state_dict()
     assert fresh._spam.factor == 0.5
+
+
+# ----------------------------------------------------------------------------- the warm-up after a reset
+
+def _spiky_run(opt_name: str, steps: int, spike: int = 40, stop: int = None, state=None, **guard_kw):
+    """A tiny GPT trained in a plain loop, x1000 spike in one layer at ``spike``; per-step RMS update of that
+    layer's tensors (``None`` for refused steps). ``stop``: return early with the checkpoint at that step;
+    ``state``: resume from such a checkpoint."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
+    data = MarkovData(vocab_size=32, seed=0)
+    batches = [data.batch(8, 16) for _ in range(steps)]
+    if opt_name == "AdamW":
+        base = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    else:
+        base = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
+    opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_spam=True, **guard_kw)
+    first = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(json.loads(json.dumps(state["guard"])) | state["optim"])
+        first = state["step"]
+    layer = list(model.blocks[1].mlp.proj.parameters())
+    numel = sum(p.numel() for p in layer)
+    rms = {}
+    for step in range(first, steps):
+        if step == stop:
+            sd = opt.state_dict()
+            guard = sd.pop("stabilityguard")
+            return model, opt, {"model": model.state_dict(), "optim": sd, "guard": {"stabilityguard": guard},
+                                "step": step}
+        model.loss(*batches[step]).backward()
+        if step == spike:
+            scale_grad(model.blocks[1].mlp.proj, 1000.0)
+        before = [p.detach().clone() for p in layer]
+        skipped = opt.counters.skipped
+        opt.step()
+        opt.zero_grad()
+        if opt.counters.skipped == skipped:
+            rms[step] = (sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(layer, before)) / numel) ** 0.5
+    return model, opt, rms
+
+
+def _first_update_ratio(rms: dict, spike: int = 40) -> float:
+    before = [rms[s] for s in range(spike - 20, spike)]
+    assert spike not in rms  # the spike was refused
+    return rms[spike + 1] / statistics.median(before)
+
+
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD+momentum"])
+def test_first_update_after_a_reset_is_at_most_1_5x_the_pre_spike_median(opt_name):
+    _, opt, rms = _spiky_run(opt_name, 46)
+    ratio = _first_update_ratio(rms)
+    assert ratio <= 1.5
+    # The following updates grow back gradually: none of the next five jumps above the bound either.
+    assert max(rms[s] for s in range(41, 46)) / statistics.median(rms[s] for s in range(20, 40)) <= 1.5
+    if opt_name == "AdamW":  # the jolt the warm-up removes: a fresh Adam moves every coordinate by ~lr
+        _, _, raw = _spiky_run(opt_name, 42, spam_warmup_steps=0)
+        assert _first_update_ratio(raw) > 2.0
+        assert opt._spam.w0 is not None and opt._spam.w0 < 0.5 and opt._spam.warming
+    else:  # a restarted momentum buffer holds one gradient: smaller than before, no scaling needed
+        assert opt._spam.last_first_update_ratio < 1.0 and not opt._spam.warming
+
+
+def test_warm_up_scales_only_the_reset_tensors_and_ramps_linearly():
+    kw = dict(spam_warmup_steps=4, spam_lr_reduction=1.0)
+    warm_model, warm, _ = _spiky_run("AdamW", 42, **kw)
+    raw_model, raw, _ = _spiky_run("AdamW", 42, spam_warmup_steps=0, spam_lr_reduction=1.0)
+    reset = {id(p) for p in warm_model.blocks[1].mlp.proj.parameters()}
+    at_spike = {}
+    ref_model, _, _ = _spiky_run("AdamW", 41, **kw)  # parameters after the refused step 40
+    for (name, a), b, c in zip(warm_model.named_parameters(), raw_model.parameters(), ref_model.parameters()):
+        if id(a) in reset:
+            at_spike[name] = (a - c, b - c)
+        else:  # the first step after the reset: identical gradients and state, untouched by the warm-up
+            assert torch.equal(a, b), name
+    w0 = warm._spam.w0
+    for name, (d_warm, d_raw) in at_spike.items():
+        torch.testing.assert_close(d_warm, w0 * d_raw, rtol=1e-4, atol=1e-9)
+    factors = []
+    for _ in range(3):
+        factors.append(warm._spam.warmup_factor)
+        warm._spam.warm_since += 1
+    assert factors == pytest.approx([w0 + (1 - w0) * k / 4 for k in (1, 2, 3)])
+
+
+@pytest.mark.parametrize("stop", [41, 45])  # before the first update is measured, and in the middle of the ramp
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD+momentum"])
+def test_resume_mid_warm_up_equals_an_uninterrupted_run_bit_for_bit(stop, opt_name):
+    whole, opt, _ = _spiky_run(opt_name, 56)
+    _, half, ckpt = _spiky_run(opt_name, 56, stop=stop)
+    if opt_name == "AdamW":
+        assert half._spam.warming and (half._spam.w0 is None) == (stop == 41)
+    resumed, again, _ = _spiky_run(opt_name, 56, state=ckpt)
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    assert again._spam.state_dict() == opt._spam.state_dict()
+
+
+def test_warm_up_setting_is_validated_with_a_clear_message():
+    for bad in (-1, 2.5, True, "20", None):
+        with pytest.raises(ConfigError, match=rf"spam_warmup_steps must be an integer >= 0; got {bad!r}"):
+            GuardConfig(spam_warmup_steps=bad)
+    assert GuardConfig(spam_warmup_steps=np.int64(5)).spam_warmup_steps == 5  # numpy scalars are fine
+    model = torch.nn.Linear(2, 2)
+    opt = GuardedOptimizer(torch.optim.AdamW(model.parameters()), model, log_dir=None, verbose=False,
+                           enable_spam=True, spam_warmup_steps=np.int64(3))
+    assert opt._spam.warmup_steps == 3 and isinstance(opt._spam.warmup_steps, int)
+    with pytest.raises(ConfigError, match="spam_warmup_steps must be an integer >= 0; got -2"):
+        MomentumReset(torch.optim.AdamW(model.parameters()), lr_reduction=0.5, recovery_steps=10, warmup_steps=-2)
+
+
+def test_warm_up_state_from_older_or_corrupt_checkpoints():
+    model = torch.nn.Linear(2, 2)
+    reset = MomentumReset(torch.optim.AdamW(model.parameters()), lr_reduction=0.5, recovery_steps=10)
+    reset.load_state_dict({"start": 0.5, "since": 3, "resets": 2})  # written before the warm-up existed
+    assert reset.factor == pytest.approx(0.5 + 0.5 * 3 / 10) and not reset.warming
+    with pytest.raises(ValueError, match=r"parameter indices \[7\] but the optimizer has 2"):
+        reset.load_state_dict({"warmup": {"params": [7], "ref_sq": 1.0, "ref_numel": 4, "since": 0, "w0": None}})
+    reset.load_state_dict({"warmup": {"params": [0], "ref_sq": 0.0, "ref_numel": 0, "since": 0, "w0": None}})
+    assert not reset.warming  # nothing to compare against: no warm-up
