@@ -174,7 +174,8 @@ def test_first_update_after_a_reset_is_at_most_1_5x_the_pre_spike_median(opt_nam
     if opt_name == "AdamW":  # the jolt the warm-up removes: a fresh Adam moves every coordinate by ~lr
         _, _, raw = _spiky_run(opt_name, 42, spam_warmup_steps=0)
         assert _first_update_ratio(raw) > 2.0
-        assert opt._spam.w0 is not None and opt._spam.w0 < 0.5 and opt._spam.warming
+        factors = opt._spam.warmup_factors()
+        assert factors and all(w is not None and w < 1.0 for w in factors.values())
     else:  # a restarted momentum buffer holds one gradient: smaller than before, no scaling needed
         assert opt._spam.last_first_update_ratio < 1.0 and not opt._spam.warming
 
@@ -188,17 +189,43 @@ def test_warm_up_scales_only_the_reset_tensors_and_ramps_linearly():
     ref_model, _, _ = _spiky_run("AdamW", 41, **kw)  # parameters after the refused step 40
     for (name, a), b, c in zip(warm_model.named_parameters(), raw_model.parameters(), ref_model.parameters()):
         if id(a) in reset:
-            at_spike[name] = (a - c, b - c)
+            at_spike[name] = (a.detach() - c.detach(), b.detach() - c.detach())
         else:  # the first step after the reset: identical gradients and state, untouched by the warm-up
             assert torch.equal(a, b), name
-    w0 = warm._spam.w0
-    for name, (d_warm, d_raw) in at_spike.items():
+    index = {id(p): i for i, p in enumerate(warm_model.parameters())}
+    entries = warm._spam.warm
+    assert sorted(entries) == sorted(index[i] for i in reset)
+    for (name, (d_warm, d_raw)), p in zip(at_spike.items(), warm_model.blocks[1].mlp.proj.parameters()):
+        ref, since, w0 = entries[index[id(p)]]
+        assert since == 1 and 0 < w0 < 1
         torch.testing.assert_close(d_warm, w0 * d_raw, rtol=1e-4, atol=1e-9)
-    factors = []
-    for _ in range(3):
-        factors.append(warm._spam.warmup_factor)
-        warm._spam.warm_since += 1
-    assert factors == pytest.approx([w0 + (1 - w0) * k / 4 for k in (1, 2, 3)])
+        # the scaled first update has exactly the pre-spike size of that tensor
+        assert float(d_warm.pow(2).mean().sqrt()) == pytest.approx(ref, rel=1e-4)
+    ramp = []
+    for _ in range(3):  # since = 1, 2, 3 of 4 warm-up steps
+        ramp.append(warm._spam.warmup_factors())
+        for e in entries.values():
+            e[1] += 1
+    for i, (_, _, w0) in entries.items():
+        assert [r[i] for r in ramp] == pytest.approx([w0 + (1 - w0) * k / 4 for k in (1, 2, 3)])
+
+
+def test_a_second_reset_elsewhere_gets_its_own_reference_and_schedule(run_factory):
+    run = run_factory(enable_spam=True, spam_warmup_steps=10)
+    a, b = run.model.blocks[1].mlp.proj, run.model.blocks[0].attn.proj
+    run.train(43, faults={40: lambda m: scale_grad(a, 1000.0)})  # a warms up from step 41
+    run.train(1, faults={43: lambda m: scale_grad(b, 1000.0)})  # b is reset while a is still warming
+    index = {id(p): i for i, p in enumerate(run.model.parameters())}
+    warm = run.opt._spam.warm
+    assert all(warm[index[id(p)]][1] == 2 for p in a.parameters())  # a's schedule goes on
+    assert all(warm[index[id(p)]][1:] == [0, None] for p in b.parameters())
+    before = {p: p.detach().clone() for p in b.parameters()}
+    run.train(1)
+    for p in b.parameters():  # b's first update is scaled to its own pre-spike size
+        ref, since, w0 = warm[index[id(p)]]
+        rms = float((p.detach() - before[p]).pow(2).mean().sqrt())
+        assert since == 1 and w0 < 1 and rms == pytest.approx(ref, rel=1e-4)
+    assert all(warm[index[id(p)]][1] == 3 for p in a.parameters())
 
 
 @pytest.mark.parametrize("stop", [41, 45])  # before the first update is measured, and in the middle of the ramp
@@ -207,7 +234,8 @@ def test_resume_mid_warm_up_equals_an_uninterrupted_run_bit_for_bit(stop, opt_na
     whole, opt, _ = _spiky_run(opt_name, 56)
     _, half, ckpt = _spiky_run(opt_name, 56, stop=stop)
     if opt_name == "AdamW":
-        assert half._spam.warming and (half._spam.w0 is None) == (stop == 41)
+        factors = half._spam.warmup_factors()
+        assert factors and all((w is None) == (stop == 41) for w in factors.values())
     resumed, again, _ = _spiky_run(opt_name, 56, state=ckpt)
     for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
@@ -232,7 +260,11 @@ def test_warm_up_state_from_older_or_corrupt_checkpoints():
     reset = MomentumReset(torch.optim.AdamW(model.parameters()), lr_reduction=0.5, recovery_steps=10)
     reset.load_state_dict({"start": 0.5, "since": 3, "resets": 2})  # written before the warm-up existed
     assert reset.factor == pytest.approx(0.5 + 0.5 * 3 / 10) and not reset.warming
-    with pytest.raises(ValueError, match=r"parameter indices \[7\] but the optimizer has 2"):
-        reset.load_state_dict({"warmup": {"params": [7], "ref_sq": 1.0, "ref_numel": 4, "since": 0, "w0": None}})
-    reset.load_state_dict({"warmup": {"params": [0], "ref_sq": 0.0, "ref_numel": 0, "since": 0, "w0": None}})
+    with pytest.raises(ValueError, match=r"parameter index 7 but the optimizer has 2"):
+        reset.load_state_dict({"warmup": [[7, 1e-3, 0, None]]})
+    with pytest.raises(ValueError, match=r"rows are \[index, reference, steps, w0\]; got 'garbage'"):
+        reset.load_state_dict({"warmup": ["garbage"]})
+    reset.load_state_dict({"warmup": [[0, 0.0, 0, None]]})
     assert not reset.warming  # nothing to compare against: no warm-up
+    reset.load_state_dict({"warmup": [[1, 1e-3, 2, 0.5]]})
+    assert reset.warmup_factors() == {1: pytest.approx(0.5 + 0.5 * 2 / 20)}

@@ -11,20 +11,22 @@ first (this works for the for-loop, foreach and fused implementations alike).
 **Warm-up of the reset tensors** (``warmup_steps``, as SPAM does after each momentum reset). A freshly
 reset Adam moves every coordinate by about ``lr`` (``m_hat / sqrt(v_hat) = g / |g|``), while a settled
 Adam on noisy gradients moves them by a fraction of it: the first update after a reset was measured at
-about 3x the pre-spike update. So, before deleting the state, the reset records the size of the last
-accepted update of those tensors, reconstructed from the state itself (Adam family:
+2.2-8x the pre-spike one (``python bench/spam.py``). So, before deleting a tensor's state, the reset
+records the size of that tensor's last accepted update, rebuilt from the state itself (Adam family:
 ``lr * (m_hat / (sqrt(v_hat) + eps) + wd * theta)`` with decoupled decay; SGD with momentum:
-``lr * momentum_buffer``), as an RMS over their elements. On the first accepted step after the reset
-the update of the reset tensors is measured (one host transfer, once per reset) and scaled by
+``lr * momentum_buffer``), as an RMS over its elements. On the first accepted step after the reset the
+tensor's update is measured (one host transfer, once per reset) and scaled by
 ``w0 = min(1, reference RMS / measured RMS)``, so its RMS is at most the pre-spike one; over the next
-``warmup_steps - 1`` accepted steps the factor grows linearly from ``w0`` to 1. The scaling is applied
-to the update itself (``theta_old + w * (theta_new - theta_old)`` on the reset tensors only), which for
-SGD, Adam and AdamW is exactly the update with the LR times ``w`` for those tensors (their state does
-not depend on the LR); the other tensors are untouched. When the fresh update is not larger than the
-reference (SGD: a restarted momentum buffer holds one gradient, not ~1/(1-momentum) of them),
-``w0 = 1`` and the warm-up ends at once. For NAdam, RAdam and Adamax the reference uses the Adam
-formula (an approximation of their update rules). SGD without momentum has no state: nothing is reset
-and nothing warms up.
+``warmup_steps - 1`` accepted steps the factor grows linearly from ``w0`` to 1. Each tensor has its own
+reference, factor and schedule (a second reset in another layer does not disturb a warm-up in
+progress; a tensor reset again while warming keeps its earlier, settled reference and restarts). The
+scaling is applied to the update itself (``theta_old + w * (theta_new - theta_old)``, on the tensors in
+warm-up only), which for SGD, Adam and AdamW is exactly the update with that tensor's LR times ``w``
+(their state does not depend on the LR). When the fresh update is not larger than the reference (SGD:
+a restarted momentum buffer holds one gradient, not ~1/(1-momentum) of them), ``w0 = 1`` and the
+tensor's warm-up ends at once. For NAdam, RAdam and Adamax the reference uses the Adam formula (an
+approximation of their update rules). SGD without momentum has no state: nothing is reset and nothing
+warms up. Cost: during a warm-up, one copy of the warming tensors per step.
 
 **LR backoff** (``lr_reduction``, ``recovery_steps``). The learning rate of every group is multiplied by
 a factor that drops to ``lr_reduction`` (times the factor in force) at each refused step and recovers
@@ -94,15 +96,11 @@ class MomentumReset:
         self.start = 1.0  # factor right after the last refused step
         self.since = 0  # accepted steps since then
         self.resets = 0
-        # Warm-up of the reset tensors: their indices in the optimizer's flattened parameter list, the sum
-        # of squares and the element count of their reference (pre-spike) update, the accepted steps
-        # taken since the reset, and the first step's factor (None until that step is measured).
-        self.warm: List[int] = []
-        self.ref_sq = 0.0
-        self.ref_numel = 0
-        self.warm_since = 0
-        self.w0: Optional[float] = None
-        self.last_first_update_ratio: Optional[float] = None  # measured / reference RMS, before scaling
+        # Warm-up of the reset tensors, per tensor (by index in the optimizer's flattened parameter list):
+        # [reference RMS of its pre-spike update, accepted steps since its reset, first-step factor w0 (None
+        # until that step is measured)].
+        self.warm: Dict[int, List[Any]] = {}
+        self.last_first_update_ratio: Optional[float] = None  # largest measured / reference RMS, before scaling
 
     # ------------------------------------------------------------------ factors
     @property
@@ -118,13 +116,17 @@ class MomentumReset:
         """A warm-up of reset tensors is in progress."""
         return bool(self.warm)
 
-    @property
-    def warmup_factor(self) -> Optional[float]:
-        """The update factor of the reset tensors at the next accepted step; ``None`` when it is measured
-        at that step (the first after a reset) or when no warm-up is in progress."""
-        if not self.warm or self.w0 is None:
+    def warmup_factors(self) -> Dict[int, Optional[float]]:
+        """Per tensor in warm-up (index in the optimizer's flattened parameter list): the factor of its
+        update at the next accepted step; ``None`` for a tensor whose first update after its reset is still
+        to be measured."""
+        return {i: self._factor(e) for i, e in self.warm.items()}
+
+    def _factor(self, entry: List[Any]) -> Optional[float]:
+        _, since, w0 = entry
+        if w0 is None:
             return None
-        return self.w0 + (1.0 - self.w0) * min(1.0, self.warm_since / self.warmup_steps)
+        return w0 + (1.0 - w0) * min(1.0, since / self.warmup_steps)
 
     def _params(self) -> List[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -141,34 +143,29 @@ class MomentumReset:
         all_params = self._params()
         targets: List[torch.Tensor] = all_params if self.scope == "all" else list(params)
         index = {id(p): i for i, p in enumerate(all_params)}
-        warming = set(self.warm)
-        reset: List[int] = []
-        ref_parts: List[torch.Tensor] = []
-        ref_numel = 0
+        fresh: List[int] = []
+        parts: List[torch.Tensor] = []
         n = 0
         for p in targets:
             if p not in state or not state[p]:
                 continue
             i = index.get(id(p))
             if self.warmup_steps > 0 and i is not None:
-                if i not in warming:  # a tensor still warming keeps its earlier (settled) reference
+                if i in self.warm:  # reset again while warming: keep its earlier (settled) reference
+                    self.warm[i][1:] = [0, None]
+                else:
                     u = self._last_update(p, state[p])
                     if u is not None:
-                        ref_parts.append(u)
-                        ref_numel += p.numel()
-                        reset.append(i)
-                else:
-                    reset.append(i)
+                        fresh.append(i)
+                        parts.append(u.to(parts[0].device) if parts else u)
             del state[p]
             n += 1
-        if ref_parts:
+        if parts:
             # One host transfer, at a refused step only: the size of the reset tensors' last update.
-            self.ref_sq += float(torch.stack([x.to(ref_parts[0].device) for x in ref_parts]).sum())
-            self.ref_numel += ref_numel
-        if reset and self.ref_numel > 0:
-            self.warm = sorted(warming | set(reset))
-            self.warm_since = 0
-            self.w0 = None
+            sums = torch.stack(parts).tolist()
+            for i, sq in zip(fresh, sums):
+                if sq > 0 and math.isfinite(sq):
+                    self.warm[i] = [math.sqrt(sq / all_params[i].numel()), 0, None]
         self.start = self.factor * self.lr_reduction
         self.since = 0
         self.resets += n
@@ -207,13 +204,13 @@ class MomentumReset:
     def step(self) -> Any:
         """Step the optimizer with the LR scaled by :attr:`factor` (the scheduler's LR is restored after),
         and scale the update of the tensors in warm-up."""
-        warm: List[torch.Tensor] = []
+        warm: List[int] = []
         before: List[torch.Tensor] = []
         if self.warm:
             ps = self._params()
-            warm = [ps[i] for i in self.warm if i < len(ps)]
+            warm = sorted(i for i in self.warm if i < len(ps))
             with torch.no_grad():
-                before = [p.detach().clone() for p in warm]
+                before = [ps[i].detach().clone() for i in warm]
         f = self.factor
         if f >= 1.0:
             out = self.optimizer.step()
@@ -228,61 +225,69 @@ class MomentumReset:
                 for g, lr in zip(groups, saved):
                     g["lr"] = lr
         if warm:
-            self._scale_update(warm, before)
+            self._scale_updates(warm, before)
         if self.start < 1.0:
             self.since += 1
             if self.since >= self.recovery_steps:
                 self.start = 1.0
         return out
 
-    def _scale_update(self, warm: List[torch.Tensor], before: List[torch.Tensor]) -> None:
-        """``theta = theta_old + w * (theta_new - theta_old)`` on the tensors in warm-up."""
-        w = self.warmup_factor
-        if w is None:  # the first step after the reset: measure its update against the reference
+    def _scale_updates(self, warm: List[int], before: List[torch.Tensor]) -> None:
+        """``theta = theta_old + w * (theta_new - theta_old)`` on each tensor in warm-up."""
+        ps = self._params()
+        new = [k for k, i in enumerate(warm) if self.warm[i][2] is None]
+        if new:  # the first step after their reset: measure the update against the reference
             with torch.no_grad():
-                sq = [(p.detach().float() - b.float()).pow(2).sum().to(warm[0].device) for p, b in zip(warm, before)]
+                sq = [(ps[warm[k]].detach().float() - before[k].float()).pow(2).sum() for k in new]
                 # One host transfer, on the first accepted step after a reset only.
-                measured = math.sqrt(float(torch.stack(sq).sum()) / self.ref_numel)
-            reference = math.sqrt(self.ref_sq / self.ref_numel)
-            self.last_first_update_ratio = measured / reference if reference > 0 else None
-            self.w0 = w = min(1.0, reference / measured) if measured > 0 and math.isfinite(measured) else 1.0
-            logger.debug("stabilityguard: SPAM warm-up: first update after the reset %.3g x the pre-spike one; "
-                         "scaled by %.3g", self.last_first_update_ratio or float("nan"), w)
-        if w < 1.0:
-            with torch.no_grad():
-                # lerp(new, old, 1 - w) = new + (1 - w) * (old - new) = old + w * (new - old)
-                torch._foreach_lerp_([p.data for p in warm], before, 1.0 - w)
-        self.warm_since += 1
-        if self.w0 is not None and (self.w0 >= 1.0 or self.warm_since >= self.warmup_steps):
-            self._end_warmup()
-
-    def _end_warmup(self) -> None:
-        self.warm = []
-        self.ref_sq, self.ref_numel, self.warm_since, self.w0 = 0.0, 0, 0, None
+                sums = torch.stack([x.to(sq[0].device) for x in sq]).tolist()
+            worst = 0.0
+            for k, total in zip(new, sums):
+                entry = self.warm[warm[k]]
+                measured = math.sqrt(total / ps[warm[k]].numel())
+                ratio = measured / entry[0]
+                worst = max(worst, ratio) if math.isfinite(ratio) else worst
+                entry[2] = min(1.0, 1.0 / ratio) if ratio > 0 and math.isfinite(ratio) else 1.0
+            self.last_first_update_ratio = worst
+            logger.debug("stabilityguard: SPAM warm-up: first update after the reset up to %.3g x the pre-spike "
+                         "one, scaled back to it", worst)
+        with torch.no_grad():
+            for k, i in enumerate(warm):
+                entry = self.warm[i]
+                w = self._factor(entry)
+                if w is not None and w < 1.0:
+                    # lerp(new, old, 1 - w) = new + (1 - w) * (old - new) = old + w * (new - old)
+                    ps[i].lerp_(before[k], 1.0 - w)
+                entry[1] += 1
+                if entry[2] >= 1.0 or entry[1] >= self.warmup_steps:
+                    del self.warm[i]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """LR-backoff and warm-up state (JSON-native; tensors are named by their index in the optimizer's
         flattened parameter list)."""
         return {"start": self.start, "since": self.since, "resets": self.resets,
-                "warmup": {"params": list(self.warm), "ref_sq": self.ref_sq, "ref_numel": self.ref_numel,
-                           "since": self.warm_since, "w0": self.w0}}
+                "warmup": [[i, *e] for i, e in sorted(self.warm.items())]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (older checkpoints without ``"warmup"`` load too)."""
+        """Restore :meth:`state_dict` output (older checkpoints without ``"warmup"`` load too).
+
+        Raises:
+            ValueError: The warm-up names a tensor the optimizer does not have, or is malformed.
+        """
         self.start = float(state.get("start", 1.0))
         self.since = int(state.get("since", 0))
         self.resets = int(state.get("resets", 0))
-        warm = state.get("warmup") or {}
         n = len(self._params())
-        params = [int(i) for i in warm.get("params", [])]
-        if any(not 0 <= i < n for i in params):
-            raise ValueError(f"spam warm-up state names parameter indices {params} but the optimizer has {n}")
-        self.warm = params
-        self.ref_sq = float(warm.get("ref_sq", 0.0))
-        self.ref_numel = int(warm.get("ref_numel", 0))
-        self.warm_since = int(warm.get("since", 0))
-        w0 = warm.get("w0")
-        self.w0 = None if w0 is None else float(w0)
-        if self.warm and self.ref_numel <= 0:
-            self._end_warmup()
+        warm: Dict[int, List[Any]] = {}
+        for row in state.get("warmup") or []:
+            try:
+                i, ref, since, w0 = int(row[0]), float(row[1]), int(row[2]), row[3]
+                w0 = None if w0 is None else float(w0)
+            except (TypeError, ValueError, IndexError) as exc:
+                raise ValueError(f"spam warm-up state rows are [index, reference, steps, w0]; got {row!r}") from exc
+            if not 0 <= i < n:
+                raise ValueError(f"spam warm-up state names parameter index {i} but the optimizer has {n}")
+            if ref > 0 and math.isfinite(ref):
+                warm[i] = [ref, since, w0]
+        self.warm = warm
