@@ -410,7 +410,8 @@ def test_auto_uses_the_power_method_with_a_probe_or_a_closure(tmp_path, caplog):
     opt.close()
     assert opt._eos.resolved_method == "power"
     assert caplog.text.count("uses the power method on the step's closure") == 1
-    assert [(e["step"], e["method"]) for e in _events(tmp_path, "sharpness")] == [(0, "power"), (2, "power"), (4, "power")]
+    checks = [(e["step"], e["method"]) for e in _events(tmp_path, "sharpness")]
+    assert checks == [(0, "power"), (2, "power"), (4, "power")]
 
 
 def test_eos_method_values_are_validated_with_the_allowed_list():
