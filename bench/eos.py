@@ -344,7 +344,9 @@ def plain_loop_main(seeds: Tuple[int, ...], steps: int, out: Optional[str]) -> N
              f"`python bench/eos.py --plain-loop-only` on {os.cpu_count()} CPU cores, torch {torch.__version__}, 1 "
              "thread. The seed's configuration, as written: `GuardedOptimizer(base_opt, model, "
              "enable_edge_of_stability=True, eos_check_interval=10, eos_power_iterations=20)` and "
-             "`loss.backward(); optimizer.step()` (no probe, no closure: eos_method='auto' runs the secant).", "",
+             "`loss.backward(); optimizer.step()` (no probe, no closure: eos_method='auto' runs the secant). "
+             "Instabilities come from this run's own plain trajectories; where they differ from those of the "
+             "full run (eos.md), compare each precision with its own base rate.", "",
              "| scenario | lr | seed | instabilities (first steps) | max ratio | run time vs plain |", "|---|---|---|---|---|---|"]
     for r in per_run:
         sp = ", ".join(map(str, r["spikes"][:6])) + (" ..." if len(r["spikes"]) > 6 else "")
