@@ -246,7 +246,9 @@ def test_warm_up_setting_is_validated_with_a_clear_message():
     for bad in (-1, 2.5, True, "20", None):
         with pytest.raises(ConfigError, match=rf"spam_warmup_steps must be an integer >= 0; got {bad!r}"):
             GuardConfig(spam_warmup_steps=bad)
-    assert GuardConfig(spam_warmup_steps=np.int64(5)).spam_warmup_steps == 5  # numpy scalars are fine
+    cfg = GuardConfig(spam_warmup_steps=np.int64(5))  # numpy scalars are fine, stored as int (JSON-native)
+    assert cfg.spam_warmup_steps == 5 and type(cfg.spam_warmup_steps) is int
+    json.dumps(cfg.to_dict()["spam_warmup_steps"])
     model = torch.nn.Linear(2, 2)
     opt = GuardedOptimizer(torch.optim.AdamW(model.parameters()), model, log_dir=None, verbose=False,
                            enable_spam=True, spam_warmup_steps=np.int64(3))
