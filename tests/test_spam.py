@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,3 +271,49 @@ def test_warm_up_state_from_older_or_corrupt_checkpoints():
     assert not reset.warming  # nothing to compare against: no warm-up
     reset.load_state_dict({"warmup": [[1, 1e-3, 2, 0.5]]})
     assert reset.warmup_factors() == {1: pytest.approx(0.5 + 0.5 * 2 / 20)}
+
+
+def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
+    """FSDP2 on CPU/gloo: the warm-up measures and scales each rank's own shard (no collective)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), model, log_dir=None,
+                               verbose=False, enable_spam=True)
+        data = MarkovData(vocab_size=32, seed=0)
+        ps = list(model.parameters())
+        rows = []
+        for step in range(23):
+            model.loss(*data.batch(8, 16)).backward()
+            if step == 20:
+                scale_grad(model.blocks[1].mlp.proj, 1000.0)
+            before = {i: ps[i].to_local().detach().clone() for i in opt._spam.warm}
+            opt.step()
+            opt.zero_grad()
+            if step == 21:
+                for i, b in before.items():
+                    rms = float((ps[i].to_local().detach() - b).pow(2).mean().sqrt())
+                    rows.append([i, rms, opt._spam.warm[i][0], opt._spam.warm[i][2]])
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "skipped": opt.counters.skipped,
+                                                             "guard": opt.guard_state_dict()["spam"]}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_warm_up_under_fsdp2_scales_each_shard(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_worker, args=(2, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["skipped"] == 1 and res["rows"]  # the spike, reset and warming on every rank
+        for i, rms, ref, w0 in res["rows"]:
+            assert 0 < w0 < 1 and rms == pytest.approx(ref, rel=1e-4)  # this shard's first update = its reference

@@ -26,7 +26,9 @@ warm-up only), which for SGD, Adam and AdamW is exactly the update with that ten
 a restarted momentum buffer holds one gradient, not ~1/(1-momentum) of them), ``w0 = 1`` and the
 tensor's warm-up ends at once. For NAdam, RAdam and Adamax the reference uses the Adam formula (an
 approximation of their update rules). SGD without momentum has no state: nothing is reset and nothing
-warms up. Cost: during a warm-up, one copy of the warming tensors per step.
+warms up. Cost: during a warm-up, one copy of the warming tensors per step. Under FSDP2 (DTensor
+parameters) sizes are measured on each rank's own shard, with no collective: the bound holds shard by
+shard, hence for the whole tensor; DDP replicas hold identical tensors and compute identical factors.
 
 **LR backoff** (``lr_reduction``, ``recovery_steps``). The learning rate of every group is multiplied by
 a factor that drops to ``lr_reduction`` (times the factor in force) at each refused step and recovers
@@ -52,6 +54,12 @@ from ..config import SPAM_SCOPES
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard of a DTensor (FSDP2), the tensor itself otherwise: sizes are measured per shard,
+    so the bound holds for every shard and hence for the whole tensor, with no collective."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
               torch.optim.SGD)
@@ -165,7 +173,7 @@ class MomentumReset:
             sums = torch.stack(parts).tolist()
             for i, sq in zip(fresh, sums):
                 if sq > 0 and math.isfinite(sq):
-                    self.warm[i] = [math.sqrt(sq / all_params[i].numel()), 0, None]
+                    self.warm[i] = [math.sqrt(sq / _local(all_params[i]).numel()), 0, None]
         self.start = self.factor * self.lr_reduction
         self.since = 0
         self.resets += n
@@ -181,23 +189,23 @@ class MomentumReset:
                 buf = st.get("momentum_buffer")
                 if buf is None:
                     return None
-                return (buf.float() * lr).pow(2).sum()
+                return (_local(buf).float() * lr).pow(2).sum()
             m, step = st.get("exp_avg"), st.get("step")
-            if m is None or step is None or float(step) < 1:
+            if m is None or step is None or float(_local(step)) < 1:
                 return None
-            t = float(step)
+            t = float(_local(step))
             b1, b2 = (float(b) for b in group["betas"])
             eps = float(group.get("eps", 1e-8))
             if isinstance(self.optimizer, torch.optim.Adamax):
-                upd = m.float() / (1.0 - b1 ** t) / st["exp_inf"].float()
+                upd = _local(m).float() / (1.0 - b1 ** t) / _local(st["exp_inf"]).float()
             else:
                 v = st.get("max_exp_avg_sq") if group.get("amsgrad") else st.get("exp_avg_sq")
                 if v is None:
                     return None
-                upd = (m.float() / (1.0 - b1 ** t)) / ((v.float() / (1.0 - b2 ** t)).sqrt() + eps)
+                upd = (_local(m).float() / (1.0 - b1 ** t)) / ((_local(v).float() / (1.0 - b2 ** t)).sqrt() + eps)
             wd = float(group.get("weight_decay", 0.0) or 0.0)
             if wd and (isinstance(self.optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))):
-                upd = upd + wd * p.detach().float()
+                upd = upd + wd * _local(p.detach()).float()
             return (upd * lr).pow(2).sum()
 
     # ------------------------------------------------------------------ the wrapped step
@@ -238,13 +246,13 @@ class MomentumReset:
         new = [k for k, i in enumerate(warm) if self.warm[i][2] is None]
         if new:  # the first step after their reset: measure the update against the reference
             with torch.no_grad():
-                sq = [(ps[warm[k]].detach().float() - before[k].float()).pow(2).sum() for k in new]
+                sq = [(_local(ps[warm[k]].detach()).float() - _local(before[k]).float()).pow(2).sum() for k in new]
                 # One host transfer, on the first accepted step after a reset only.
                 sums = torch.stack([x.to(sq[0].device) for x in sq]).tolist()
             worst = 0.0
             for k, total in zip(new, sums):
                 entry = self.warm[warm[k]]
-                measured = math.sqrt(total / ps[warm[k]].numel())
+                measured = math.sqrt(total / max(1, _local(ps[warm[k]]).numel()))
                 ratio = measured / entry[0]
                 worst = max(worst, ratio) if math.isfinite(ratio) else worst
                 entry[2] = min(1.0, 1.0 / ratio) if ratio > 0 and math.isfinite(ratio) else 1.0
