@@ -317,3 +317,31 @@ def test_warm_up_under_fsdp2_scales_each_shard(tmp_path):
         assert res["skipped"] == 1 and res["rows"]  # the spike, reset and warming on every rank
         for i, rms, ref, w0 in res["rows"]:
             assert 0 < w0 < 1 and rms == pytest.approx(ref, rel=1e-4)  # this shard's first update = its reference
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2),  # no momentum: no state, nothing to reset or warm up
+], ids=["adam-amsgrad", "adam-decoupled", "nadam", "radam", "adamax", "sgd-nesterov", "sgd-plain"])
+def test_every_supported_optimizer_resets_and_warms_up(make):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    base = make(model.parameters())
+    opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_spam=True, spam_warmup_steps=5)
+    for step in range(30):
+        x = torch.randn(32, 8)
+        model(x).pow(2).mean().backward()
+        if step == 20:
+            scale_grad(model[2], 1000.0)
+        opt.step()
+        opt.zero_grad()
+        if step == 21 and base.defaults.get("momentum", 1) != 0:
+            assert opt._spam.last_first_update_ratio is not None  # measured against its reference
+    assert opt.counters.skipped == 1 and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert not opt._spam.warming  # 5 warm-up steps are over
+    json.dumps(opt.guard_state_dict()["spam"])
