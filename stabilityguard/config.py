@@ -20,7 +20,7 @@ SPAM_SCOPES = ("spiked", "all")
 LOG_RANKS = ("zero", "all")
 
 #: The values ``eos_method`` accepts.
-EOS_METHODS = ("power", "secant", "both")
+EOS_METHODS = ("auto", "power", "secant", "both")
 
 #: The values ``eos_hvp`` accepts.
 EOS_HVP_MODES = ("auto", "autograd", "finite_difference")
@@ -132,6 +132,12 @@ class GuardConfig:
     """Which tensors ``enable_spam`` resets: ``"spiked"`` (the layers over the threshold or non-finite) or
     ``"all"``."""
 
+    spam_warmup_steps: int = 20
+    """With ``enable_spam``: accepted steps over which the update of the reset tensors grows back from the
+    pre-spike size to the optimizer's own (>= 0; 0 = no warm-up). The first update after a reset is scaled
+    so that its RMS is at most that of the last update before the spike (see
+    ``stabilityguard.features.spam``)."""
+
     enable_auto_calibration: bool = False
     """Learn one threshold per layer from the run itself (see ``stabilityguard.features.calibration``):
     during ``auto_calibration_warmup_steps`` accepted steps only NaN/Inf is caught, then each layer's
@@ -164,9 +170,11 @@ class GuardConfig:
     """Most Hessian-vector products of one power-iteration check (>= 1; warm-started, stops early at
     0.1 % change)."""
 
-    eos_method: str = "power"
-    """``"power"`` (power iteration with HVPs on ``eos_probe`` or the step's closure), ``"secant"``
-    (curvature along the update from consecutive gradients: no extra passes) or ``"both"``."""
+    eos_method: str = "auto"
+    """``"auto"`` (the power method when ``eos_probe`` is given or ``step()`` gets a closure, else the
+    secant: works in a plain ``loss.backward(); optimizer.step()`` loop), ``"power"`` (power iteration
+    with HVPs on ``eos_probe`` or the step's closure), ``"secant"`` (curvature along the update from
+    consecutive gradients: no extra passes) or ``"both"``."""
 
     eos_hvp: str = "auto"
     """How the power method gets Hessian-vector products: ``"auto"`` (double backward, finite
@@ -234,6 +242,8 @@ class GuardConfig:
             raise ConfigError(f"enable_spam must be True or False; got {self.enable_spam!r}")
         _check_number("spam_lr_reduction", self.spam_lr_reduction, low=0.0, low_inclusive=False, high=1.0)
         _check_int("spam_recovery_steps", self.spam_recovery_steps, low=1)
+        _check_int("spam_warmup_steps", self.spam_warmup_steps, low=0)
+        object.__setattr__(self, "spam_warmup_steps", int(self.spam_warmup_steps))  # numpy ints -> JSON-native
         if self.spam_reset_scope not in SPAM_SCOPES:
             raise ConfigError(
                 f"spam_reset_scope must be one of {', '.join(repr(a) for a in SPAM_SCOPES)}; "

@@ -169,7 +169,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._spam: Optional[MomentumReset] = None
         if config.enable_spam:
             self._spam = MomentumReset(base_opt, lr_reduction=config.spam_lr_reduction,
-                                       recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope)
+                                       recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope,
+                                       warmup_steps=config.spam_warmup_steps)
 
         self._eos: Optional[EdgeOfStabilityMonitor] = None
         if config.enable_edge_of_stability:
@@ -187,8 +188,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise ConfigError("eos_probe is only used with enable_edge_of_stability=True; got enable_edge_of_stability=False")
 
         idx = self._index
+        recorded = config.to_dict() | {"run_id": self.run_id}
+        if self._eos is not None:  # the estimator "auto" chose (None: decided at the first step)
+            recorded |= self._eos.describe()
         self._events.run_start(
-            config=config.to_dict() | {"run_id": self.run_id}, optimizer=type(base_opt).__name__,
+            config=recorded, optimizer=type(base_opt).__name__,
             n_params=idx.n_params, n_layers=idx.n_layers, layer_names=list(idx.layer_names),
             torch_version=torch.__version__, version=__version__,
         )
