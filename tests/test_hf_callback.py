@@ -1,0 +1,196 @@
+"""HF Trainer callback: the loss reaches the guard, max_grad_norm survives every ending, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from stabilityguard import ConfigError, GradientSpikeError, MissingDependencyError  # noqa: E402
+from stabilityguard.integrations.huggingface import StabilityGuardCallback  # noqa: E402
+
+from .hf_models import StepTracker, digest, finite, make_dataset, tiny_gpt2, training_args  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _events(log_dir):
+    return [json.loads(x) for f in sorted(log_dir.glob("events-*.jsonl")) for x in f.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_every_step_loss_reaches_the_guard_as_the_trainer_logs_it(tmp_path, accum):
+    model = tiny_gpt2()
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
+    args = training_args(str(tmp_path / "out"), steps=8, accum=accum, logging_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model), callbacks=[cb])
+    trainer.train()
+    hf = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    guard = {e["step"] + 1: e["loss"] for e in _events(tmp_path / "sg") if e["kind"] == "step_summary"}
+    assert sorted(hf) == sorted(guard) == list(range(1, 9))
+    for step, loss in hf.items():
+        assert guard[step] == pytest.approx(loss, rel=1e-5)  # the mean over the step's micro-batches
+    assert cb.guard.counters.last_loss == pytest.approx(hf[8], rel=1e-5)
+
+
+def test_spike_event_carries_the_step_loss(tmp_path):
+    model = tiny_gpt2()
+    model.step_faults = {12: 1e4}
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False)
+    args = training_args(str(tmp_path / "out"), steps=14)
+    transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model),
+                         callbacks=[StepTracker(model), cb]).train()
+    (spike,) = [e for e in _events(tmp_path / "sg") if e["kind"] == "spike"]
+    assert spike["step"] == 12 and spike["loss"] is not None and spike["loss"] > 1e3  # one of two micro-batches x1e4
+
+
+def test_max_grad_norm_restored_after_the_guards_own_exception(tmp_path):
+    """nan_action='raise' ends train() with GradientSpikeError: the args keep clipping for the next Trainer."""
+    model = tiny_gpt2()
+    model.step_faults = {6: math.nan}
+    args = training_args(str(tmp_path / "a"), steps=10)
+    cb = StabilityGuardCallback(log_dir=None, verbose=False, nan_action="raise")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model),
+                                   callbacks=[StepTracker(model), cb])
+    with pytest.raises(GradientSpikeError):
+        trainer.train()
+    assert args.max_grad_norm == 1.0 and cb._saved_max_grad_norm is None
+
+    # The next Trainer built from the same args clips exactly like one built from fresh args.
+    def plain(a):
+        m = tiny_gpt2()
+        m.step_faults = {2: 1e4}  # a x1e4 step that clipping tames
+        transformers.Trainer(model=m, args=a, train_dataset=make_dataset(model=m), callbacks=[StepTracker(m)]).train()
+        return m
+
+    reused = plain(args)
+    fresh = plain(training_args(str(tmp_path / "b"), steps=10))
+    assert digest(reused) == digest(fresh)
+    unclipped = plain(training_args(str(tmp_path / "c"), steps=10, max_grad_norm=0.0))
+    assert digest(unclipped) != digest(fresh)  # the comparison can tell clipping from none
+
+
+def test_max_grad_norm_restored_after_an_exception_in_the_forward_pass(tmp_path):
+    class Boom(RuntimeError):
+        pass
+
+    class Exploding(StepTracker):
+        def on_step_begin(self, args, state, control, **kw):
+            super().on_step_begin(args, state, control, **kw)
+            if state.global_step == 4:
+                self.model.step_faults = {4: "boom"}
+
+    model = tiny_gpt2()
+    original = model.forward
+
+    def forward(*a, **kw):
+        if model.training and model.step_faults.get(model.current_step) == "boom":
+            raise Boom("data loader gave garbage")
+        return original(*a, **kw)
+
+    model.forward = forward
+    args = training_args(str(tmp_path / "a"), steps=10)
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    with pytest.raises(Boom):
+        transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model),
+                             callbacks=[Exploding(model), cb]).train()
+    assert args.max_grad_norm == 1.0
+    assert cb.guard.counters.steps == 4
+
+
+def test_a_second_callback_on_the_same_model_replaces_the_hooks_of_a_crashed_one(tmp_path):
+    model = tiny_gpt2()
+    model.step_faults = {3: math.nan}
+    args = training_args(str(tmp_path / "a"), steps=6)
+    first = StabilityGuardCallback(log_dir=None, verbose=False, nan_action="raise")
+    with pytest.raises(GradientSpikeError):
+        transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model),
+                             callbacks=[StepTracker(model), first]).train()
+    model.step_faults = {}
+    second = StabilityGuardCallback(log_dir=None, verbose=False)
+    transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model),
+                         callbacks=[StepTracker(model), second]).train()
+    assert second.guard.counters.steps == 6 and first.guard.counters.steps == 4  # the old hooks are gone
+    assert len(model._forward_hooks) == 0 and len(model._forward_pre_hooks) == 0  # removed at train end
+
+
+class EngineLikeOptimizer:
+    """Looks like a DeepSpeed engine's optimizer to the Trainer: steps, but is no torch Optimizer."""
+
+    def __init__(self, params):
+        self.param_groups = [{"params": list(params), "lr": 1e-3, "initial_lr": 1e-3}]
+        self.state = {}
+
+    def step(self, closure=None):
+        return None
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def test_refuses_an_optimizer_that_is_not_a_torch_optimizer(tmp_path):
+    model = tiny_gpt2()
+    engine_opt = EngineLikeOptimizer(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                                              lambda s: 1.0)
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    trainer = transformers.Trainer(model=model, args=training_args(str(tmp_path), steps=2),
+                                   train_dataset=make_dataset(model=model), callbacks=[cb],
+                                   optimizers=(engine_opt, sched))
+    with pytest.raises(ConfigError, match=r"found tests\.test_hf_callback\.EngineLikeOptimizer.*DeepSpeed"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"trackers": "wandb"}, "trackers must be 'auto' or None"),
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm is taken from TrainingArguments.max_grad_norm"),
+    ({"sinks": object()}, "sinks must be a list"),
+    ({"sinks": [object()]}, "emit"),
+    ({"skip_refused_batches": 1}, "skip_refused_batches must be True, False or the path"),
+    ({"skip_refused_batches": np.bool_(True)}, "skip_refused_batches must be True, False or the path"),
+    ({"skip_refused_batches": True, "log_dir": None}, "log_dir is None"),
+    ({"index_key": ""}, "index_key must be a non-empty string"),
+    ({"index_key": 3}, "index_key must be a non-empty string"),
+    ({"spike_treshold": 5.0}, "unknown GuardedOptimizer setting"),
+    ({"nan_action": "ignore"}, "nan_action must be one of"),
+    ({"spike_threshold": None}, "spike_threshold"),
+])
+def test_invalid_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        StabilityGuardCallback(**kwargs)
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "stabilityguard.integrations.huggingface")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'stabilityguard\[hf\]'"):
+        import stabilityguard.integrations.huggingface  # noqa: F401
+
+
+def test_missing_lightning_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.delitem(sys.modules, "stabilityguard.integrations.lightning", raising=False)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'stabilityguard\[lightning\]'"):
+        import stabilityguard.integrations.lightning  # noqa: F401
+
+
+def test_bf16_run_still_finite_and_counts(tmp_path):
+    model = tiny_gpt2()
+    model.step_faults = {8: math.nan}
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    transformers.Trainer(model=model, args=training_args(str(tmp_path), steps=10, bf16=True),
+                         train_dataset=make_dataset(model=model), callbacks=[StepTracker(model), cb]).train()
+    assert cb.guard.counters.nonfinite == 1 and finite(model)
