@@ -123,12 +123,15 @@ def test_a_crashed_fit_resumes_past_its_bad_batch_with_skip_refused_batches(tmp_
     assert len(load_records(tmp_path / "sg" / "refused_batches.jsonl")) == 1
 
 
-def test_skipped_recorded_step_leaves_weights_and_optimizer_state_untouched(tmp_path):
+RECORD = {"schema": "1.5", "run_id": "r", "step": 3, "global_step": 3, "epoch": 0, "batch_index": 3,
+          "sample_indices": None, "reason": "spike", "action": "skip", "rank": 0, "framework": "lightning"}
+
+
+@pytest.mark.parametrize("samples", [None, [31, 30, 29, 28, 27, 26, 25, 24]])
+def test_skipped_recorded_step_leaves_weights_and_optimizer_state_untouched(tmp_path, samples):
     """Skipping a recorded batch equals never having its gradients: the step after it is the same."""
     records = tmp_path / "records.jsonl"
-    records.write_text(json.dumps({"schema": "1.5", "run_id": "r", "step": 3, "global_step": 3, "epoch": 0,
-                                   "batch_index": 3, "sample_indices": None, "reason": "spike", "action": "skip",
-                                   "rank": 0, "framework": "lightning"}) + "\n")
+    records.write_text(json.dumps({**RECORD, "sample_indices": samples}) + "\n")  # batch 3 = samples 24..31
 
     class Snap(pl.Callback):
         def __init__(self):
@@ -150,6 +153,15 @@ def test_skipped_recorded_step_leaves_weights_and_optimizer_state_untouched(tmp_
     assert all(torch.equal(a, b) for a, b in zip(before_s, after_s))
     assert not all(torch.equal(a, b) for a, b in zip(after_p, snap.params[4][0]))  # the next step trains
     assert cb.guard.counters.skipped == 0 and len(cb.skipped_batches) == 1
+
+
+def test_a_record_whose_samples_differ_is_not_skipped(tmp_path, caplog):
+    """Same epoch and batch index but other samples (the data order changed): that batch trains."""
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({**RECORD, "sample_indices": [0, 1, 2, 3, 4, 5, 6, 7]}) + "\n")
+    cb = StabilityGuardCallback(log_dir=None, verbose=False, skip_refused_batches=records)
+    fit(tmp_path, cb, epochs=1)
+    assert cb.skipped_batches == [] and "holds other samples than the recorded one" in caplog.text
 
 
 @pytest.mark.parametrize("kwargs, message", [

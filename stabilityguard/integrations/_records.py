@@ -24,7 +24,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from ..sinks._json import dumps
@@ -118,13 +118,53 @@ def _valid_key(v: Any) -> bool:
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
-def skip_keys(records: Iterable[Dict[str, Any]]) -> Set[Tuple[int, int]]:
-    """``(epoch, batch_index)`` of every record that has both."""
-    keys: Set[Tuple[int, int]] = set()
+SkipTable = Dict[Tuple[int, int], List[Tuple[Any, Optional[List[int]]]]]
+
+
+def skip_keys(records: Iterable[Dict[str, Any]]) -> SkipTable:
+    """``(epoch, batch_index)`` of every record that has both -> ``(rank, sample indices)`` recorded there."""
+    keys: SkipTable = {}
     for r in records:
         if r.get("epoch") is not None and r.get("batch_index") is not None:
-            keys.add((int(r["epoch"]), int(r["batch_index"])))
+            samples = r.get("sample_indices")
+            ok = isinstance(samples, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in samples)
+            keys.setdefault((int(r["epoch"]), int(r["batch_index"])), []).append((r.get("rank"), samples if ok else None))
     return keys
+
+
+def matches(table: SkipTable, key: Tuple[Any, Any], rank: int, current: Callable[[], Optional[List[int]]]) -> bool:
+    """Whether the step at ``key`` is a recorded one; the same answer on every rank.
+
+    When this rank's record has sample indices and the current step exposes them too, they must be
+    the same samples (in any order): a resumed run whose data order differs does not skip the wrong
+    batch. ``current`` is called only when the key matches (reading indices may be a host sync).
+    Under ``torch.distributed`` the ranks agree (one small all-reduce, only at a matching key, which
+    every rank reaches at the same step): a step is skipped only if every rank says so.
+    """
+    recorded = table.get(key)  # type: ignore[arg-type]
+    if not recorded:
+        return False
+    mine = [s for r, s in recorded if r == rank] or [s for _, s in recorded]
+    decision = True
+    if not all(s is None for s in mine):
+        now = current()
+        if now is not None and not any(s is None or sorted(s) == sorted(now) for s in mine):
+            logger.warning("stabilityguard: the step at epoch %s, batch %s holds other samples than the recorded "
+                           "one (a different data order?); not skipped", key[0], key[1])
+            decision = False
+    return _all_ranks_agree(decision)
+
+
+def _all_ranks_agree(flag: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def to_index_list(value: Any) -> Optional[List[int]]:

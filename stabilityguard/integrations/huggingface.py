@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,6 +26,7 @@ from ._records import (
     check_skip_setting,
     counters_metrics,
     load_records,
+    matches,
     skip_keys,
     to_index_list,
 )
@@ -165,7 +166,7 @@ class StabilityGuardCallback(TrainerCallback):
         self.recorder: Optional[RefusedBatchRecorder] = None
         #: Steps skipped in this run because they were recorded (``skip_refused_batches``).
         self.skipped_batches: List[Dict[str, Any]] = []
-        self._skip: Set[Tuple[int, int]] = set()
+        self._skip: Dict[Tuple[int, int], List[Any]] = {}
         self._args: Any = None
         self._state: Any = None
         self._clip: Optional[float] = None
@@ -271,7 +272,7 @@ class StabilityGuardCallback(TrainerCallback):
         path = None if self._records_path is None else _path(self._records_path) / RECORDS_FILE
         self.recorder = RefusedBatchRecorder(path, "huggingface", self.guard.rank, self._record_context)
         attach_recorder(self.guard, self.recorder)
-        self._skip = set()
+        self._skip = {}
         if self._skip_file is not None:
             if getattr(holder, "scaler", None) is not None:
                 raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
@@ -421,7 +422,9 @@ class StabilityGuardCallback(TrainerCallback):
             self._warned_unarmed = True
             logger.warning("stabilityguard: no model output of this step reached backward, so the Trainer clipped "
                            "the gradients before the guard measured them (detection on post-clip norms)")
-        if (self._epoch, self._step_batch_index) in self._skip:
+        if self._skip and matches(self._skip, (self._epoch, self._step_batch_index),
+                                  self.guard.rank,
+                                  lambda: self._record_context()["sample_indices"]):
             self._skip_recorded_step(state)
             return
         loss = self._step_loss()

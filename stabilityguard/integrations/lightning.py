@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,7 @@ from ._records import (
     check_skip_setting,
     counters_metrics,
     load_records,
+    matches,
     skip_keys,
     to_index_list,
 )
@@ -95,7 +96,7 @@ class StabilityGuardCallback(_pl.Callback):
         self.recorders: List[RefusedBatchRecorder] = []
         #: Steps skipped in this fit because they were recorded (``skip_refused_batches``).
         self.skipped_batches: List[Dict[str, Any]] = []
-        self._skip: Set[Tuple[int, int]] = set()
+        self._skip: Dict[Tuple[int, int], List[Any]] = {}
         self._pending_state: Optional[Dict[str, Any]] = None
         self._trainer: Any = None
         self._window_start: Optional[int] = None  # batch_idx of the first batch of the current step
@@ -138,7 +139,7 @@ class StabilityGuardCallback(_pl.Callback):
             rec = RefusedBatchRecorder(path, "lightning", g.rank, self._record_context)
             attach_recorder(g, rec)
             self.recorders.append(rec)
-        self._skip = set()
+        self._skip = {}
         if self._skip_file is not None:
             self._skip = skip_keys(load_records(self._skip_file, framework="lightning"))
             logger.info("stabilityguard: %d recorded step(s) from %s will be skipped", len(self._skip), self._skip_file)
@@ -169,7 +170,9 @@ class StabilityGuardCallback(_pl.Callback):
         guard = self._guard_of(optimizer)
         if guard is None:
             return
-        if (trainer.current_epoch, self._window_start) in self._skip:
+        if self._skip and matches(self._skip, (trainer.current_epoch, self._window_start),
+                                  guard.rank,
+                                  lambda: self._record_context()["sample_indices"]):
             self.skipped_batches.append({"epoch": trainer.current_epoch, "batch_index": self._window_start,
                                          "global_step": trainer.global_step, "step": guard.counters.steps})
             logger.warning("stabilityguard: skipping recorded step (epoch %d, batch_idx %s): its gradients are "
