@@ -208,6 +208,11 @@ class StabilityGuardCallback(_pl.Callback):
         for g in self.guards:
             g.close()
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A fit that ends with an exception (e.g. ``GradientSpikeError``) still gets its ``run_end`` now."""
+        for g in self.guards:
+            g.close()
+
     def state_dict(self) -> Dict[str, Any]:
         return {"guards": [g.guard_state_dict() for g in self.guards]}
 
