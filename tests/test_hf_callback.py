@@ -187,6 +187,30 @@ def test_missing_lightning_names_the_extra(monkeypatch):
         import stabilityguard.integrations.lightning  # noqa: F401
 
 
+def test_callback_state_round_trip(tmp_path):
+    """A loaded state means no new warm-up: a spike on the first step of the next run is caught."""
+    def run(cb, steps, faults):
+        model = tiny_gpt2()
+        model.step_faults = faults
+        transformers.Trainer(model=model, args=training_args(str(tmp_path / "o"), steps=steps),
+                             train_dataset=make_dataset(model=model), callbacks=[StepTracker(model), cb]).train()
+
+    first = StabilityGuardCallback(log_dir=None, verbose=False)
+    assert first.state_dict() == {}
+    run(first, 12, {})
+    state = json.loads(json.dumps(first.state_dict()))  # JSON-native
+    fresh = StabilityGuardCallback(log_dir=None, verbose=False)
+    fresh.load_state_dict(state)
+    run(fresh, 2, {0: 1e4})
+    assert fresh.guard.counters.steps == 14 and fresh.guard.counters.spikes == 1
+    cold = StabilityGuardCallback(log_dir=None, verbose=False)
+    run(cold, 2, {0: 1e4})
+    assert cold.guard.counters.spikes == 0  # without it the first steps are warm-up
+    for bad in (None, [1], {"guard": 3}):
+        with pytest.raises(ConfigError, match="not a StabilityGuardCallback state"):
+            fresh.load_state_dict(bad)
+
+
 def test_bf16_run_still_finite_and_counts(tmp_path):
     model = tiny_gpt2()
     model.step_faults = {8: math.nan}

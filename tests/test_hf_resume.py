@@ -32,12 +32,12 @@ STEPS, SAVE = 40, 10
 FAULTS = {22: 1e4, 31: math.nan}
 
 
-def _run(out, log_dir, stop_at=None, resume=None, **cb_kw):
+def _run(out, log_dir, stop_at=None, resume=None, steps=STEPS, args_kw=None, **cb_kw):
     model = tiny_gpt2()
     model.step_faults = dict(FAULTS)
     cb = StabilityGuardCallback(log_dir=log_dir, verbose=False, log_every=5, **cb_kw)
     callbacks = [StepTracker(model)] + ([StopAt(stop_at)] if stop_at else []) + [cb]
-    args = training_args(str(out), steps=STEPS, save_strategy="steps", save_steps=SAVE)
+    args = training_args(str(out), steps=steps, save_strategy="steps", save_steps=SAVE, **(args_kw or {}))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model, cb
@@ -75,6 +75,15 @@ def test_without_the_saved_state_the_resumed_guard_misses_the_spike(tmp_path):
     _, _, cb = _run(tmp_path / "split", tmp_path / "sg_cold", resume=str(path.parent))
     assert cb.guard.counters.steps == 20  # counted from 0 again
     assert [i[:2] for i in _incidents(tmp_path / "sg_cold")] == [("nonfinite", 11)]
+
+
+def test_restore_callback_states_from_checkpoint_keeps_the_users_callback(tmp_path):
+    """That Trainer option rebuilds ExportableState callbacks from their saved args; ours is left in place."""
+    _run(tmp_path / "split", tmp_path / "sg", stop_at=10, steps=14)
+    trainer, _, cb = _run(tmp_path / "split", tmp_path / "sg", resume=str(tmp_path / "split" / "checkpoint-10"),
+                          steps=14, args_kw={"restore_callback_states_from_checkpoint": True})
+    assert cb in trainer.callback_handler.callbacks
+    assert cb.guard.counters.steps == 14 and cb.guard.counters.accepted == 14
 
 
 def test_refused_batches_are_recorded_with_their_data(tmp_path):

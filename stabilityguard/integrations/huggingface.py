@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -179,7 +180,9 @@ class StabilityGuardCallback(TrainerCallback):
         self._epoch = 0
         self._micro = 0
         self._resume_offset = 0
+        self._first_epoch = True
         self._len_dataloader: Optional[int] = None
+        self._pending_state: Optional[Dict[str, Any]] = None
 
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
@@ -202,6 +205,9 @@ class StabilityGuardCallback(TrainerCallback):
             self._install(holder, self.guard)
             if previous is not None:
                 self._load_guard_state(previous)
+        if self._pending_state is not None:
+            self._load_guard_state(self._pending_state["guard"])
+            self._pending_state = None
         saved = (getattr(state, "stateful_callbacks", None) or {}).get(STATE_KEY)
         if state.global_step > 0 and isinstance(saved, dict) and "guard" in saved:
             self._load_guard_state(saved["guard"])
@@ -269,7 +275,7 @@ class StabilityGuardCallback(TrainerCallback):
 
     def _setup_records(self, args: Any, holder: Any) -> None:
         assert self.guard is not None
-        path = None if self._records_path is None else _path(self._records_path) / RECORDS_FILE
+        path = None if self._records_path is None else Path(self._records_path) / RECORDS_FILE
         self.recorder = RefusedBatchRecorder(path, "huggingface", self.guard.rank, self._record_context)
         attach_recorder(self.guard, self.recorder)
         self._skip = {}
@@ -474,6 +480,24 @@ class StabilityGuardCallback(TrainerCallback):
             state.stateful_callbacks = {}
         state.stateful_callbacks[STATE_KEY] = {"guard": self.guard.guard_state_dict()}
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The guard's state (what checkpoints carry in ``trainer_state.json``); ``{}`` before training."""
+        return {} if self.guard is None else {"guard": self.guard.guard_state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output now, or at the next ``on_train_begin`` if there is no guard yet.
+
+        A checkpoint's own guard state (``resume_from_checkpoint``) is applied after it and wins.
+        """
+        if not isinstance(state_dict, dict) or ("guard" in state_dict and not isinstance(state_dict["guard"], dict)):
+            raise ConfigError(f"not a StabilityGuardCallback state: {type(state_dict).__name__}")
+        if "guard" not in state_dict:
+            return
+        if self.guard is not None:
+            self._load_guard_state(state_dict["guard"])
+        else:
+            self._pending_state = dict(state_dict)
+
     # ------------------------------------------------------------------ logs and end
     def metrics(self) -> Dict[str, float]:
         """The guard's counters as ``sg/`` metrics (what goes into the Trainer's logs)."""
@@ -501,12 +525,6 @@ class StabilityGuardCallback(TrainerCallback):
         self._remove_hooks()
         if self.guard is not None:
             self.guard.close()
-
-
-def _path(p: Any) -> Any:
-    from pathlib import Path
-
-    return Path(p)
 
 
 __all__ = ["STATE_KEY", "StabilityGuardCallback"]
