@@ -211,6 +211,39 @@ def test_callback_state_round_trip(tmp_path):
             fresh.load_state_dict(bad)
 
 
+def test_fp16_grad_scaler_steps_go_through_the_guard(tmp_path):
+    """With fp16 accelerate steps through GradScaler with a patched step method: it must be the guard's.
+
+    GradScaler needs a GPU under the Trainer, so this drives the callback the way the Trainer does, with a
+    real accelerate AcceleratedOptimizer holding a real (CPU) GradScaler.
+    """
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    args = training_args(str(tmp_path), steps=20)  # (resets accelerate's state: before the Accelerator)
+    Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    holder = AcceleratedOptimizer(base, device_placement=False, scaler=scaler)
+    cb = StabilityGuardCallback(log_dir=None, verbose=False, warmup_steps=3)
+    cb.on_train_begin(args, transformers.TrainerState(), transformers.TrainerControl(), model=model, optimizer=holder)
+    assert holder.optimizer is cb.guard
+    for step in range(8):
+        loss = model(torch.randn(8, 4)).pow(2).mean() * (1e4 if step == 6 else 1.0)
+        scaler.scale(loss).backward()
+        holder.step()
+        holder.zero_grad()
+    c = cb.guard.counters
+    assert (c.steps, c.spikes, c.skipped) == (8, 1, 1)  # every step checked, unscaled: the x1e4 one refused
+    with pytest.raises(ConfigError, match="fp16 and a GradScaler"):
+        StabilityGuardCallback(log_dir=tmp_path, skip_refused_batches=True).on_train_begin(
+            args, transformers.TrainerState(), transformers.TrainerControl(), model=model,
+            optimizer=AcceleratedOptimizer(torch.optim.AdamW(model.parameters()), device_placement=False,
+                                           scaler=torch.amp.GradScaler("cpu")))
+
+
 def test_bf16_run_still_finite_and_counts(tmp_path):
     model = tiny_gpt2()
     model.step_faults = {8: math.nan}
