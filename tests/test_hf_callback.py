@@ -30,6 +30,7 @@ def test_every_step_loss_reaches_the_guard_as_the_trainer_logs_it(tmp_path, accu
     cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
     args = training_args(str(tmp_path / "out"), steps=8, accum=accum, logging_steps=1)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model), callbacks=[cb])
+    assert trainer.model_accepts_loss_kwargs  # GPT-2's loss is normalised over the whole step's tokens
     trainer.train()
     hf = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     guard = {e["step"] + 1: e["loss"] for e in _events(tmp_path / "sg") if e["kind"] == "step_summary"}
@@ -37,6 +38,34 @@ def test_every_step_loss_reaches_the_guard_as_the_trainer_logs_it(tmp_path, accu
     for step, loss in hf.items():
         assert guard[step] == pytest.approx(loss, rel=1e-5)  # the mean over the step's micro-batches
     assert cb.guard.counters.last_loss == pytest.approx(hf[8], rel=1e-5)
+
+
+class PlainLM(torch.nn.Module):
+    """A model without loss kwargs: the Trainer averages its per-micro-batch mean losses itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 16)
+        self.out = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels):
+        logits = self.out(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1)), "logits": logits}
+
+
+def test_loss_of_a_model_without_loss_kwargs(tmp_path):
+    model = PlainLM()
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
+    args = training_args(str(tmp_path / "out"), steps=6, accum=3, logging_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(), callbacks=[cb])
+    assert not trainer.model_accepts_loss_kwargs
+    trainer.train()
+    hf = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    guard = {e["step"] + 1: e["loss"] for e in _events(tmp_path / "sg") if e["kind"] == "step_summary"}
+    assert sorted(guard) == sorted(hf) == list(range(1, 7))
+    for step, loss in hf.items():
+        assert guard[step] == pytest.approx(loss, rel=1e-5)
 
 
 def test_spike_event_carries_the_step_loss(tmp_path):
