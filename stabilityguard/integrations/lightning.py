@@ -179,8 +179,10 @@ class StabilityGuardCallback(_pl.Callback):
                            "discarded before the optimizer step", trainer.current_epoch, self._window_start)
             guard.zero_grad(set_to_none=True)  # the wrapped step then changes no weight and no state
             guard.measure()
+            self._loss = None
             return
-        guard.measure(self._loss)  # before Lightning clips the gradients
+        loss, self._loss = self._loss, None  # consumed: a second optimizer (manual optimization) gets its own
+        guard.measure(loss)  # before Lightning clips the gradients
 
     def _record_context(self) -> Dict[str, Any]:
         trainer = self._trainer
