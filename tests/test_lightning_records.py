@@ -187,3 +187,40 @@ def test_invalid_arguments_fail_at_construction(kwargs, message):
 def test_load_state_dict_refuses_what_is_not_a_callback_state(bad):
     with pytest.raises(ConfigError, match="not a StabilityGuardCallback state"):
         StabilityGuardCallback(log_dir=None).load_state_dict(bad)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers (GAN-style): each step's loss goes to its own guard."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(16, 32)
+        self.automatic_optimization = False
+        self.seen = {"a": [], "b": []}
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x = batch["x"].float()
+        for name, layer, opt in (("a", self.a, opt_a), ("b", self.b, opt_b)):
+            loss = layer(x).pow(2).mean() * (1.0 if name == "a" else 3.0)
+            self.seen[name].append(loss.item())
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.a.parameters(), lr=1e-3), torch.optim.AdamW(self.b.parameters(), lr=1e-3)
+
+
+def test_manual_optimization_with_two_optimizers_hands_each_its_loss(tmp_path):
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    module = TwoOptimizers()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(module, torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    ga, gb = cb.guards
+    assert ga.counters.steps == gb.counters.steps == 10
+    assert ga.counters.last_loss == pytest.approx(module.seen["a"][-1], rel=1e-6)
+    assert gb.counters.last_loss == pytest.approx(module.seen["b"][-1], rel=1e-6)
