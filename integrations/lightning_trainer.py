@@ -58,8 +58,8 @@ def main(argv=None) -> dict:
     def fit(callback, ckpt_path=None):
         module = Lit()
         ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_epochs=1)
-        trainer = pl.Trainer(max_epochs=max(args.steps // per_epoch, 2), accelerator="cpu", devices=1, gradient_clip_val=1.0,
-                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+        trainer = pl.Trainer(max_epochs=max(args.steps // per_epoch, 2), accelerator="cpu", devices=1,
+                             gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[callback, ckpt], default_root_dir=str(out / "pl"))
         # The same order every epoch, so the resumed fit replays the data the first one saw. (A RandomSampler
         # with a generator does not get its state back from a checkpoint: the resumed epoch would see other

@@ -267,7 +267,7 @@ def test_fp16_grad_scaler_steps_go_through_the_guard(tmp_path):
     c = cb.guard.counters
     assert (c.steps, c.spikes, c.skipped) == (8, 1, 1)  # every step checked, unscaled: the x1e4 one refused
     with pytest.raises(ConfigError, match="fp16 and a GradScaler"):
-        StabilityGuardCallback(log_dir=tmp_path, skip_refused_batches=True).on_train_begin(
+        StabilityGuardCallback(log_dir=tmp_path, verbose=False, skip_refused_batches=True).on_train_begin(
             args, transformers.TrainerState(), transformers.TrainerControl(), model=model,
             optimizer=AcceleratedOptimizer(torch.optim.AdamW(model.parameters()), device_placement=False,
                                            scaler=torch.amp.GradScaler("cpu")))

@@ -55,12 +55,14 @@ def test_resumed_run_takes_the_same_decisions_and_ends_with_the_same_weights(tmp
     assert cb_first.guard.counters.steps == 20
     saved = json.loads((tmp_path / "split" / "checkpoint-20" / "trainer_state.json").read_text())
     assert saved["stateful_callbacks"][STATE_KEY]["guard"]["counters"]["steps"] == 20
-    _, resumed, cb_resumed = _run(tmp_path / "split", tmp_path / "sg_split", resume=str(tmp_path / "split" / "checkpoint-20"))
+    _, resumed, cb_resumed = _run(tmp_path / "split", tmp_path / "sg_split",
+                                  resume=str(tmp_path / "split" / "checkpoint-20"))
 
     assert _incidents(tmp_path / "sg_full") == [("spike", 22, "skip"), ("nonfinite", 31, "skip")]
     assert _incidents(tmp_path / "sg_split") == _incidents(tmp_path / "sg_full")
     a, b = cb_full.guard.counters, cb_resumed.guard.counters
-    assert (b.steps, b.accepted, b.spikes, b.nonfinite, b.skipped) == (a.steps, a.accepted, a.spikes, a.nonfinite, a.skipped)
+    fields = ("steps", "accepted", "spikes", "nonfinite", "skipped")
+    assert [getattr(b, f) for f in fields] == [getattr(a, f) for f in fields]
     assert cb_resumed.guard.guard_state_dict()["detector"] == cb_full.guard.guard_state_dict()["detector"]
     assert finite(resumed) and digest(resumed) == digest(full)  # bit for bit: the CPU Trainer resumes exactly
 
@@ -150,3 +152,19 @@ def test_records_file_with_corrupt_lines_is_read_around_them(tmp_path, caplog):
     assert load_records(path, framework="huggingface") == [good]
     assert len(load_records(path)) == 2
     assert "4 unreadable line(s)" in caplog.text
+
+
+def test_index_values_are_read_as_integers_or_not_at_all():
+    import numpy as np
+    import torch
+
+    from stabilityguard.integrations._records import join_indices, to_index_list
+
+    assert to_index_list(torch.tensor([3, 1])) == [3, 1]
+    assert to_index_list(np.array([[2], [5]])) == [2, 5]
+    assert to_index_list(np.int64(7)) == [7] and to_index_list(4) == [4]
+    assert to_index_list(torch.tensor([1.0, 2.0])) == [1, 2]
+    for bad in (None, torch.tensor([1.5]), ["a", "b"], [True, False], "abc", object(), 2.5):
+        assert to_index_list(bad) is None, bad
+    assert join_indices([torch.tensor([1, 2]), [3]]) == [1, 2, 3]
+    assert join_indices([torch.tensor([1, 2]), ["x"]]) is None and join_indices([]) is None

@@ -128,7 +128,8 @@ def skip_keys(records: Iterable[Dict[str, Any]]) -> SkipTable:
         if r.get("epoch") is not None and r.get("batch_index") is not None:
             samples = r.get("sample_indices")
             ok = isinstance(samples, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in samples)
-            keys.setdefault((int(r["epoch"]), int(r["batch_index"])), []).append((r.get("rank"), samples if ok else None))
+            key = (int(r["epoch"]), int(r["batch_index"]))
+            keys.setdefault(key, []).append((r.get("rank"), samples if ok else None))
     return keys
 
 
@@ -177,8 +178,10 @@ def to_index_list(value: Any) -> Optional[List[int]]:
     try:
         if hasattr(value, "detach"):
             value = value.detach().cpu().reshape(-1).tolist()
-        elif hasattr(value, "tolist"):
-            value = value.tolist()
+        elif hasattr(value, "tolist"):  # numpy arrays and scalars
+            value = value.reshape(-1).tolist() if getattr(value, "ndim", 0) > 1 else value.tolist()
+        if isinstance(value, (str, bytes)):
+            return None
         if isinstance(value, (int,)) and not isinstance(value, bool):
             return [int(value)]
         flat: List[int] = []
@@ -189,6 +192,19 @@ def to_index_list(value: Any) -> Optional[List[int]]:
         return flat
     except (TypeError, ValueError):
         return None
+
+
+def join_indices(values: List[Any]) -> Optional[List[int]]:
+    """The sample indices of a step's batches, in order; ``None`` if there are none or one is unreadable."""
+    if not values:
+        return None
+    out: List[int] = []
+    for v in values:
+        part = to_index_list(v)
+        if part is None:
+            return None
+        out.extend(part)
+    return out
 
 
 class RefusedBatchRecorder:

@@ -28,8 +28,8 @@ from ._records import (
     counters_metrics,
     load_records,
     matches,
+    join_indices,
     skip_keys,
-    to_index_list,
 )
 
 logger = logging.getLogger(__name__)
@@ -188,6 +188,9 @@ class StabilityGuardCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, **kw: Any) -> None:
         holder, inner = self._find_optimizer(optimizer)
+        if self._skip_file is not None and getattr(holder, "scaler", None) is not None:
+            raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
+                              "gradients of a recorded step, which GradScaler.step refuses); use bf16 or turn it off")
         self._args, self._state = args, state
         if isinstance(inner, GuardedOptimizer) and inner not in self._own_guards:
             self.guard = inner  # the user's own guard: keep its settings
@@ -280,9 +283,6 @@ class StabilityGuardCallback(TrainerCallback):
         attach_recorder(self.guard, self.recorder)
         self._skip = {}
         if self._skip_file is not None:
-            if getattr(holder, "scaler", None) is not None:
-                raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
-                                  "gradients of a recorded step, which GradScaler.step refuses); use bf16 or turn it off")
             if self._len_dataloader is None:
                 logger.warning("stabilityguard: skip_refused_batches needs a dataloader with a length (batch "
                                "indices); nothing will be skipped")
@@ -448,15 +448,11 @@ class StabilityGuardCallback(TrainerCallback):
         self.guard.observe_loss(None)  # type: ignore[arg-type]
 
     def _record_context(self) -> Dict[str, Any]:
-        indices: Optional[List[int]] = None
-        if self._step_indices:
-            parts = [to_index_list(v) for v in self._step_indices]
-            indices = None if any(p is None for p in parts) else [i for p in parts for i in p]  # type: ignore[union-attr]
         return {
             "epoch": self._epoch,
             "global_step": None if self._state is None else int(self._state.global_step),
             "batch_index": self._step_batch_index,
-            "sample_indices": indices,
+            "sample_indices": join_indices(self._step_indices),
         }
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

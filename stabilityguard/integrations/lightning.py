@@ -26,8 +26,8 @@ from ._records import (
     counters_metrics,
     load_records,
     matches,
+    join_indices,
     skip_keys,
-    to_index_list,
 )
 
 logger = logging.getLogger(__name__)
@@ -186,15 +186,11 @@ class StabilityGuardCallback(_pl.Callback):
 
     def _record_context(self) -> Dict[str, Any]:
         trainer = self._trainer
-        indices: Optional[List[int]] = None
-        if self._window_indices:
-            parts = [to_index_list(v) for v in self._window_indices]
-            indices = None if any(p is None for p in parts) else [i for p in parts for i in p]  # type: ignore[union-attr]
         return {
             "epoch": None if trainer is None else int(trainer.current_epoch),
             "global_step": None if trainer is None else int(trainer.global_step),
             "batch_index": self._window_start,
-            "sample_indices": indices,
+            "sample_indices": join_indices(self._window_indices),
         }
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
