@@ -133,6 +133,38 @@ def test_max_grad_norm_restored_after_an_exception_in_the_forward_pass(tmp_path)
     assert cb.guard.counters.steps == 4
 
 
+class FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (as an out-of-memory error in the backward pass would)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed")
+
+
+def test_max_grad_norm_restored_after_an_exception_in_the_backward_pass(tmp_path):
+    model = tiny_gpt2()
+    original = model.forward
+
+    def forward(*a, **kw):
+        out = original(*a, **kw)
+        if model.training and model.current_step == 5:
+            out.loss = FailingBackward.apply(out.loss)  # the loss hook fires first, then this node raises
+        return out
+
+    model.forward = forward
+    args = training_args(str(tmp_path / "a"), steps=10, accum=1)
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model),
+                             callbacks=[StepTracker(model), cb]).train()
+    assert args.max_grad_norm == 1.0
+    assert cb.guard.counters.steps == 5
+
+
 def test_a_second_callback_on_the_same_model_replaces_the_hooks_of_a_crashed_one(tmp_path):
     model = tiny_gpt2()
     model.step_faults = {3: math.nan}
