@@ -32,13 +32,15 @@ STEPS, SAVE = 40, 10
 FAULTS = {22: 1e4, 31: math.nan}
 
 
-def _run(out, log_dir, stop_at=None, resume=None, steps=STEPS, args_kw=None, **cb_kw):
+def _run(out, log_dir, stop_at=None, resume=None, steps=STEPS, args_kw=None, faults=None, n=256, **cb_kw):
     model = tiny_gpt2()
-    model.step_faults = dict(FAULTS)
+    model.step_faults = dict(FAULTS if faults is None else faults)
     cb = StabilityGuardCallback(log_dir=log_dir, verbose=False, log_every=5, **cb_kw)
     callbacks = [StepTracker(model)] + ([StopAt(stop_at)] if stop_at else []) + [cb]
-    args = training_args(str(out), steps=steps, save_strategy="steps", save_steps=SAVE, **(args_kw or {}))
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model), callbacks=callbacks)
+    args_kw = {"save_strategy": "steps", "save_steps": SAVE, **(args_kw or {})}
+    args = training_args(str(out), steps=steps, **args_kw)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(n=n, model=model),
+                                   callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model, cb
 
@@ -77,6 +79,19 @@ def test_without_the_saved_state_the_resumed_guard_misses_the_spike(tmp_path):
     _, _, cb = _run(tmp_path / "split", tmp_path / "sg_cold", resume=str(path.parent))
     assert cb.guard.counters.steps == 20  # counted from 0 again
     assert [i[:2] for i in _incidents(tmp_path / "sg_cold")] == [("nonfinite", 11)]
+
+
+def test_epoch_checkpoints_carry_the_guard_state(tmp_path):
+    """save_strategy='epoch' (8 steps per epoch): stopped after epoch 2, resumed; a spike at step 17 is caught."""
+    kw = {"steps": 24, "n": 64, "faults": {17: 1e4}, "args_kw": {"save_strategy": "epoch"}}
+    _, full, cb_full = _run(tmp_path / "full", tmp_path / "sg_full", **kw)
+    _run(tmp_path / "split", tmp_path / "sg_split", stop_at=16, **kw)
+    assert (tmp_path / "split" / "checkpoint-16").is_dir()
+    _, resumed, cb = _run(tmp_path / "split", tmp_path / "sg_split", resume=str(tmp_path / "split" / "checkpoint-16"),
+                          **kw)
+    assert _incidents(tmp_path / "sg_split") == _incidents(tmp_path / "sg_full") == [("spike", 17, "skip")]
+    assert cb.guard.counters.steps == cb_full.guard.counters.steps == 24
+    assert digest(resumed) == digest(full)
 
 
 def test_restore_callback_states_from_checkpoint_keeps_the_users_callback(tmp_path):
