@@ -221,7 +221,8 @@ def test_refuses_an_optimizer_that_is_not_a_torch_optimizer(tmp_path):
     ({"sinks": object()}, "sinks must be a list"),
     ({"sinks": [object()]}, "emit"),
     ({"skip_refused_batches": 1}, "skip_refused_batches must be True, False or the path"),
-    ({"skip_refused_batches": np.bool_(True)}, "skip_refused_batches must be True, False or the path"),
+    ({"skip_refused_batches": np.bool_(True), "log_dir": None}, "log_dir is None"),  # numpy bool: a bool
+    ({"skip_refused_batches": np.array([True])}, "skip_refused_batches must be True, False or the path"),
     ({"skip_refused_batches": True, "log_dir": None}, "log_dir is None"),
     ({"index_key": ""}, "index_key must be a non-empty string"),
     ({"index_key": 3}, "index_key must be a non-empty string"),

@@ -169,7 +169,8 @@ def test_a_record_whose_samples_differ_is_not_skipped(tmp_path, caplog):
     ({"sinks": [42]}, "emit"),
     ({"skip_refused_batches": "yes", "log_dir": None}, None),  # a path: accepted
     ({"skip_refused_batches": 0.5}, "skip_refused_batches must be True, False or the path"),
-    ({"skip_refused_batches": np.bool_(True)}, "skip_refused_batches must be True, False or the path"),
+    ({"skip_refused_batches": np.bool_(True), "log_dir": None}, "log_dir is None"),  # numpy bool: a bool
+    ({"skip_refused_batches": np.array([True])}, "skip_refused_batches must be True, False or the path"),
     ({"skip_refused_batches": True, "log_dir": None}, "log_dir is None"),
     ({"index_key": b"idx"}, "index_key must be a non-empty string"),
     ({"nan_action": "ignore"}, "nan_action must be one of"),

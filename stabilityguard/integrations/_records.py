@@ -48,6 +48,8 @@ def check_skip_setting(value: Any, log_dir: Any) -> Optional[Path]:
     Raises:
         ConfigError: For another type, or ``True`` without a ``log_dir``.
     """
+    if getattr(value, "ndim", None) == 0 and getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        value = bool(value)  # a numpy bool scalar
     if value is False or value is None:
         return None
     if value is True:
