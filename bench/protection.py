@@ -799,7 +799,7 @@ def _plot(rows: List[Dict[str, Any]], methods: List[str], path: Path) -> None:
                 xs.append(x)
                 ys.append(1.0 + a["gap_mean"])
                 es.append(a["gap_std"])
-            ax.bar(xs, ys, width=width, yerr=es, label=m, capsize=1.5)
+            ax.bar(xs, ys, width=width, yerr=es, label=SHORT.get(m, m).replace("*", ""), capsize=1.5)
         ax.set_yscale("log")
         ax.axhline(1.0, color="black", lw=0.5)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scen))])
