@@ -187,6 +187,12 @@ class GuardConfig:
     """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
     same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
 
+    ddp_origin_hook: bool = True
+    """Under DDP (the model passed to the guard is a ``DistributedDataParallel`` and ``sync_ranks``):
+    register a communication hook that measures each rank's gradients before the all-reduce, so NaN/Inf
+    and spike events say which rank they came from (``origin_ranks``). Costs one extra read of the
+    gradients per step; DDP takes one hook only, so set ``False`` to register your own."""
+
     log_ranks: str = "zero"
     """Which ranks write the console, JSONL, spike-report and extra sinks: ``"zero"`` (rank 0 only) or
     ``"all"`` (every rank, with per-rank file names ``events-{run_id}.rank{r}.jsonl``)."""
@@ -269,6 +275,8 @@ class GuardConfig:
                 f"eos_hvp must be one of {', '.join(repr(a) for a in EOS_HVP_MODES)}; got {self.eos_hvp!r}"
             )
         _check_number("eos_warning_ratio", self.eos_warning_ratio, low=0.0, low_inclusive=False)
+        if not isinstance(self.ddp_origin_hook, bool):
+            raise ConfigError(f"ddp_origin_hook must be True or False; got {self.ddp_origin_hook!r}")
         if not isinstance(self.sync_ranks, bool):
             raise ConfigError(f"sync_ranks must be True or False; got {self.sync_ranks!r}")
         if self.log_ranks not in LOG_RANKS:

@@ -33,7 +33,7 @@ from .features.spam import MomentumReset
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
 from .recorder import FlightRecorder, SummaryWindow
 from .sinks import ConsoleSink, JsonlSink, Sink, SinkDispatcher, SpikeReportSink
-from .stats import GradStats, GradStatsCollector, ParamIndex, nonfinite_layers
+from .stats import GradStats, GradStatsCollector, OriginProbe, ParamIndex, nonfinite_layers, origin_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.counters = GuardCounters()
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
+        self._skip_reason: Optional[str] = None
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
         self._policy: Optional[GuardPolicy] = None
@@ -164,6 +165,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if writes and config.verbose:
             built_in.append(ConsoleSink(reports=reports))
         self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
+        self._origin = self._register_origin_probe(model)
         self._build_index()
 
         self._spam: Optional[MomentumReset] = None
@@ -213,7 +215,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         idx = ParamIndex.build(self.model, self.param_groups)
         n_l = idx.n_layers
         self._index = idx
-        self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks)
+        self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks, origin=self._origin)
         self._names = list(idx.layer_names) + list(idx.param_names)
         self._layer_params: Dict[str, List[torch.Tensor]] = {}
         for p, layer in zip(idx.params, idx.layer_of_param.tolist()):
@@ -257,6 +259,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 self._rollback.track(named)
             self._rollback.snapshot(self.counters.steps)  # a clean state that covers every parameter
 
+    def _register_origin_probe(self, model: Optional[torch.nn.Module]) -> Optional[OriginProbe]:
+        """Under DDP (world > 1, ``sync_ranks``): a communication hook that tells which rank's local
+        gradients were non-finite or spiking before the all-reduce (``origin_ranks`` in the events)."""
+        cfg = self.config
+        if not (cfg.ddp_origin_hook and cfg.sync_ranks and _world() > 1
+                and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
+            return None
+        probe = OriginProbe()
+        try:
+            model.register_comm_hook(None, probe.hook)
+        except RuntimeError as exc:  # DDP takes one hook: the user's own is already there
+            logger.warning("stabilityguard: cannot register the DDP origin hook (%s); events will not say which "
+                           "rank an incident came from", exc)
+            return None
+        return probe
+
     @property
     def _detector(self) -> Any:
         assert self._policy is not None
@@ -287,10 +305,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Zero the gradients (delegates to the wrapped optimizer)."""
         self.base_optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_sink(self, sink: Sink) -> None:
-        """Attach one more sink (ignored on ranks that do not write, see ``log_ranks``)."""
-        if self._writes:
+    def add_sink(self, sink: Sink, *, all_ranks: bool = False) -> None:
+        """Attach one more sink (ignored on ranks that do not write, see ``log_ranks``, unless
+        ``all_ranks``: for sinks that record per-rank data, such as the refused-batch records)."""
+        if self._writes or all_ranks:
             self.dispatcher.add(sink)
+
+    def skip_next_step(self, reason: str = "recorded_batch") -> None:
+        """Refuse the next ``step()`` without looking at it: its gradients are discarded, weights, optimizer
+        state and owned buffers stay as they are, it counts as skipped and an ``action`` record with this
+        ``reason`` is written; baselines and the detector are not touched. For callbacks that skip a batch
+        known to be bad (the refused-batch records of a resumed run).
+
+        Example:
+            >>> optimizer.skip_next_step("recorded_batch")  # doctest: +SKIP
+            >>> optimizer.step()  # skipped  # doctest: +SKIP
+        """
+        if not isinstance(reason, str) or not reason:
+            raise ConfigError(f"reason must be a non-empty string; got {reason!r}")
+        self._skip_reason = reason
 
     @property
     def guard_step(self) -> int:
@@ -370,12 +403,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._measured = self._collector.collect(loss)
         return self._measured
 
+    def _skip_requested(self, reason: str) -> None:
+        step = self.counters.steps
+        self._skip_reason, self._measured, self._pending_loss = None, None, None
+        skip_step(self.base_optimizer)
+        self._buffers.restore()
+        self.counters.skipped += 1
+        self.counters.steps = step + 1
+        self._events.action(step, action="skip", reason=reason)
+        self._buffers.mark()
+
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                loss = closure()  # may call skip_next_step (framework hooks run inside the closure)
         elif loss is None:
             loss = self._pending_loss
+        if self._skip_reason is not None:
+            self._skip_requested(self._skip_reason)
+            return loss
         self._pending_loss = None
         step = self.counters.steps
         self._clip_input = None
@@ -532,7 +578,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.recorder.incident(step)
         event = self._events.incident(
             nonfinite, step, stats.values, stats.present, before, action=action, loss=json_float(stats.loss),
-            global_norm=json_float(stats.global_norm), window=self.recorder.window(), **fields,
+            global_norm=json_float(stats.global_norm), window=self.recorder.window(),
+            origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields,
         )
         reason = event.kind.value
         self._events.action(step, action=action, reason=reason, layer=event.layer, rollback_to_step=rollback_to,
