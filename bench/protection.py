@@ -829,7 +829,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--progress", action="store_true", help="one line per run on stderr")
     ap.add_argument("--out", type=Path, help="write OUT.md, OUT.csv and OUT.png")
     ap.add_argument("--reuse", type=Path, help="take the rows of methods not run now from this CSV (same plan)")
-    ap.add_argument("--from-csv", type=Path, help="run nothing: render the tables (and --out) from this CSV")
+    ap.add_argument("--from-csv", type=Path, nargs="+",
+                    help="run nothing: render the tables (and --out) from these CSVs (rows concatenated)")
     ap.add_argument("--worker-sg03", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -841,12 +842,14 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         Path(args.worker_out).write_text(json.dumps(rows))
         return rows
     if args.from_csv is not None:
+        rows = []
         try:
-            rows = load_rows(args.from_csv)
+            for path in args.from_csv:
+                rows += load_rows(path)
         except ValueError as exc:
             ap.error(str(exc))
         if not rows:
-            ap.error(f"{args.from_csv} has no rows")
+            ap.error(f"{args.from_csv} hold no rows")
         names = list(dict.fromkeys(r["method"] for r in rows))
         order = [m.name for m in PEERS + OURS if m.name in names] + [n for n in names if n not in SHORT]
         seeds_seen = sorted({r["seed"] for r in rows if r["scenario"] == "clean"})
