@@ -1,7 +1,8 @@
 """Command line: ``stabilityguard report | compare | summary | sync``.
 
 Exit codes: 0 success; 2 bad usage or a missing path; 3 no events found; 4 a log that cannot be read
-(newer schema); 5 an optional package is missing; 1 sync could not deliver everything.
+(newer schema); 5 an optional package is missing; 1 sync could not deliver everything; 6 sync could not
+reach the tracker within ``--timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -124,14 +125,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_UNREACHABLE = 6
+
+
 def _cmd_sync(args: argparse.Namespace) -> int:
+    import os
+
+    from .integrations._bridge import TrackerUnreachable
     from .integrations.sync import sync
 
     p = Path(args.logdir)
     if not p.is_dir():
         raise _Exit(EXIT_USAGE, f"error: {args.logdir}: no such directory")
+    if not args.timeout > 0:
+        raise _Exit(EXIT_USAGE, f"error: --timeout must be > 0 seconds; got {args.timeout:g}")
     kwargs = {}
     if args.to == "mlflow":
+        # This process only talks to MLflow for the sync: a server that dies mid-way is not retried for minutes.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(args.timeout))))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         if args.tracking_uri:
             kwargs["tracking_uri"] = args.tracking_uri
         if args.experiment:
@@ -142,9 +154,11 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         if args.wandb_dir:
             kwargs["dir"] = args.wandb_dir
     try:
-        result = sync(p, args.to, run_id=args.run, **kwargs)
+        result = sync(p, args.to, run_id=args.run, timeout=args.timeout, **kwargs)
     except LookupError as exc:
         raise _Exit(EXIT_EMPTY, f"error: {exc}") from None
+    except TrackerUnreachable as exc:
+        raise _Exit(EXIT_UNREACHABLE, f"error: {exc}; nothing was synced") from None
     _echo(json.dumps(result))
     return 1 if result.get("failed") else 0
 
@@ -186,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--experiment", help="MLflow experiment name")
     y.add_argument("--project", help="W&B project")
     y.add_argument("--wandb-dir", help="W&B directory (with WANDB_MODE=offline: where the offline run goes)")
+    y.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds the tracker may take to answer the first contact (default 10); "
+                        "exit code 6 if it does not")
     y.set_defaults(func=_cmd_sync)
     return ap
 
