@@ -200,7 +200,8 @@ class Outcome:
         elif isinstance(e, RunEnd):
             self._counts(e)
             self.steps = max(self.steps, int(e.steps or 0))
-            if e.final_loss is not None and e.steps:
+            if self.final_finite_loss is None and e.final_loss is not None and e.steps:
+                # The guard's last finite loss, its step unknown: only when no event carried a loss.
                 self._loss(e.steps - 1, e.final_loss)
             if self.status is None:
                 if self.applied_nonfinite_step is not None:
