@@ -46,13 +46,14 @@ def test_mlflow_bridge_logs_metrics_params_tags_artifacts(run_factory, mlflow_se
     events = _events(run)
     spike = next(e for e in events if e["kind"] == "spike")
     assert _history(client, bridge.run_id, "sg/spike_ratio") == [(30, pytest.approx(spike["ratio"]))]
-    # Markers: 0 on every summary, 1 at the incident step, so two incidents are never joined by a line.
-    assert _history(client, bridge.run_id, "sg/nonfinite") == [(9, 0.0), (19, 0.0), (29, 0.0), (39, 0.0), (40, 1.0),
-                                                               (49, 0.0)]
-    assert _history(client, bridge.run_id, "sg/spike") == [(9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (39, 0.0),
-                                                           (49, 0.0)]
-    assert _history(client, bridge.run_id, "sg/action") == [(9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (39, 0.0),
-                                                            (40, 1.0), (49, 0.0)]
+    # Markers: 0 on every summary, 1 at the incident step and 0 again the step after (a one-step pulse),
+    # so two incidents are never joined by a line.
+    assert _history(client, bridge.run_id, "sg/nonfinite") == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (31, 0.0), (39, 0.0), (40, 1.0), (41, 0.0), (49, 0.0)]
+    assert _history(client, bridge.run_id, "sg/spike") == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (31, 0.0), (39, 0.0), (41, 0.0), (49, 0.0)]
+    assert _history(client, bridge.run_id, "sg/action") == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (31, 0.0), (39, 0.0), (40, 1.0), (41, 0.0), (49, 0.0)]
     # Counters are step functions: the old value at N-1, the new one at N.
     assert _history(client, bridge.run_id, "sg/skipped_total") == [
         (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (39, 1.0), (40, 2.0), (49, 2.0)]

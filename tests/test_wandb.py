@@ -51,7 +51,7 @@ def test_wandb_bridge_offline_run_has_exact_metrics(run_factory, wandb_offline):
     assert row["sg/action"] == 1.0 and row["sg/layer_ratio/head"] == pytest.approx(spike["ratio"])
     # Markers: 1 at the incident, 0 on every summary; counters step at the incident (old value at N-1).
     assert [(h["sg/step"], h["sg/nonfinite"]) for h in hist if "sg/nonfinite" in h] == [
-        (9, 0.0), (19, 0.0), (29, 0.0), (39, 0.0), (40, 1.0), (49, 0.0)]
+        (9, 0.0), (19, 0.0), (29, 0.0), (31, 0.0), (39, 0.0), (40, 1.0), (41, 0.0), (49, 0.0)]
     assert [(h["sg/step"], h["sg/skipped_total"]) for h in hist if "sg/skipped_total" in h] == [
         (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (39, 1.0), (40, 2.0), (49, 2.0)]
     summaries = [e for e in events if e["kind"] == "step_summary"]

@@ -64,6 +64,7 @@ COUNTERS: Tuple[Tuple[str, str], ...] = (
 )
 #: 0/1 markers (logged 0 on summaries, 1 at incidents); trackers summarise them by their maximum.
 MARKERS = ("sg/spike", "sg/nonfinite", "sg/diverged")
+_ZERO_MARKERS = {"sg/spike": 0.0, "sg/nonfinite": 0.0, "sg/action": 0.0}
 _STOP = object()
 
 
@@ -383,6 +384,7 @@ class TrackerBridge:
         self._contacted = False
         self._last_incident_step: Optional[int] = None
         self._last_summary_step: Optional[int] = None
+        self._pulse_end: Optional[int] = None
         self._closed = False
         self._queue: Optional[queue.Queue] = None
         self._thread: Optional[threading.Thread] = None
@@ -470,6 +472,8 @@ class TrackerBridge:
             return
         try:
             changed = self.outcome.update(event) if isinstance(event, (RunStart, StepSummary, Spike)) else False
+            if isinstance(event, (StepSummary, Spike, RunEnd)):
+                self._close_pulse(event.step)
             if isinstance(event, StepSummary):
                 markers = event.step != self._last_incident_step
                 self._scalars(event.step, summary_metrics(event, self.outcome.diverged, markers=markers))
@@ -522,7 +526,7 @@ class TrackerBridge:
         if key:
             old[key] -= 1
         if e.step > 0 and e.step - 1 not in (self._last_incident_step, self._last_summary_step):
-            before = dict(old)
+            before = {**old, **_ZERO_MARKERS}
             if outcome_changed and self.outcome.diverged:
                 before["sg/diverged"] = 0.0
             self._scalars(e.step - 1, before)
@@ -530,6 +534,14 @@ class TrackerBridge:
         if self.outcome.diverged:
             now["sg/diverged"] = 1.0
         self._scalars(e.step, now)
+        self._pulse_end = e.step + 1
+
+    def _close_pulse(self, step: int) -> None:
+        """Markers back to 0 the step after an incident (when that step was no incident and no summary),
+        logged once the next event shows it: each incident is a one-step pulse on the charts."""
+        end, self._pulse_end = self._pulse_end, None
+        if end is not None and step > end:
+            self._scalars(end, dict(_ZERO_MARKERS))
 
     def _first_contact(self) -> None: ...
     def _on_start(self, e: RunStart) -> None: ...
