@@ -74,7 +74,7 @@ def test_mlflow_bridge_logs_metrics_params_tags_artifacts(run_factory, mlflow_se
     assert float(r.data.tags["sg.final_finite_loss"]) == pytest.approx(final, rel=1e-5)
     assert _history(client, bridge.run_id, "sg/final_finite_loss") == [(49, pytest.approx(final))]
     note = r.data.tags["mlflow.note.content"]
-    assert note.startswith("**stabilityguard: completed.** 50 steps, 1 spike, 1 NaN/Inf step (first at step 40 in `head`)")
+    assert note.startswith("stabilityguard: completed. 50 steps, 1 spike, 1 NaN/Inf step (first at step 40 in `head`)")
     assert "Steps 2 skipped, 0 rolled back" in note  # (and, with graded responses, how many clipped)
     entry = "postmortem.html" if "postmortem.html" in _report_files(client, bridge.run_id) else "postmortem.md"
     link = f"[stabilityguard/report/{entry}](#/experiments/{r.info.experiment_id}/runs/{bridge.run_id}/artifacts/"

@@ -46,8 +46,8 @@ def test_compare_runs_outcomes_colours_and_descriptions(tmp_path, monkeypatch, c
     assert (u.data.tags["sg.outcome"], u.info.status) == ("diverged@221", "FAILED")
     assert (g.data.tags["sg.outcome"], g.info.status) == ("completed", "FINISHED")
     assert u.data.tags["sg.first_nonfinite_step"] == g.data.tags["sg.first_nonfinite_step"] == "220"
-    assert u.data.tags["mlflow.note.content"].startswith("**stabilityguard: diverged@221.**")
-    assert g.data.tags["mlflow.note.content"].startswith("**stabilityguard: completed.** 230 steps")
+    assert u.data.tags["mlflow.note.content"].startswith("stabilityguard: diverged@221.")
+    assert g.data.tags["mlflow.note.content"].startswith("stabilityguard: completed. 230 steps")
     # The observe-only run has the guard's view: the steps it would have refused, none refused.
     assert u.data.metrics["sg/would_refuse_total"] >= 2 and u.data.metrics["sg/skipped_total"] == 0
     assert g.data.metrics["sg/skipped_total"] == 2 and g.data.metrics["sg/would_refuse_total"] == 0

@@ -127,6 +127,7 @@ def test_mlflow_run_id_from_the_environment_logs_into_that_run(run_factory, mlfl
 
     client = MlflowClient(mlflow_server.uri)
     existing = client.create_run(client.create_experiment("resumed"), run_name="trainer-run")
+    client.set_tag(existing.info.run_id, "mlflow.note.content", "Baseline, lr 3e-3.")  # the user's description
     mlflow_env.setenv("MLFLOW_RUN_ID", existing.info.run_id)
     mlflow_env.setenv("MLFLOW_TAGS", '{"resumed": "yes"}')
     bridge = MLflowBridge()
@@ -135,6 +136,7 @@ def test_mlflow_run_id_from_the_environment_logs_into_that_run(run_factory, mlfl
     r = client.get_run(existing.info.run_id)
     assert len(client.get_metric_history(r.info.run_id, "sg/global_grad_norm")) == 2
     assert r.data.tags["resumed"] == "yes" and r.data.tags["sg.outcome"] == "completed"
+    assert r.data.tags["mlflow.note.content"].startswith("Baseline, lr 3e-3.\n\nstabilityguard: completed. 10 steps")
     assert r.info.status == "RUNNING"  # not the bridge's run: left open
 
 

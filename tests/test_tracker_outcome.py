@@ -42,7 +42,7 @@ def test_guarded_run_completes_with_its_first_nonfinite_step(run_factory):
     end = events[-1]
     assert o.final_finite_loss == pytest.approx(end.final_loss) and o.final_finite_loss_step == 39
     text = o.describe("[report](x)")
-    assert text.startswith("**stabilityguard: completed.** 40 steps, 1 spike, 1 NaN/Inf step (first at step 25 in `head`).")
+    assert text.startswith("stabilityguard: completed. 40 steps, 1 spike, 1 NaN/Inf step (first at step 25 in `head`).")
     assert text.endswith("Post-mortem: [report](x)")
 
 

@@ -78,7 +78,7 @@ def test_wandb_bridge_offline_run_has_exact_metrics(run_factory, wandb_offline):
         ("stabilityguard: NaN/Inf gradients at step 40", "ERROR")]
     assert "sg:completed" in wb["run"]["tags"]
     notes = wb["run"]["notes"]
-    assert notes.startswith("**stabilityguard: completed.** 50 steps, 1 spike, 1 NaN/Inf step (first at step 40")
+    assert notes.startswith("stabilityguard: completed. 50 steps, 1 spike, 1 NaN/Inf step (first at step 40")
     assert "in the run's Files and the `sg/postmortem` panel" in notes
     images = {k for h in hist for k in h if k.startswith("sg/postmortem/") and k.endswith("/_type")}
     assert {"sg/postmortem/timeline/_type", "sg/postmortem/heatmap/_type"} <= images

@@ -221,7 +221,7 @@ class Outcome:
     def describe(self, report_link: Optional[str] = None) -> str:
         """The one-paragraph summary used as the run's description (markdown)."""
         c = self.counters
-        head = f"**stabilityguard: {self.label or 'running'}.**"
+        head = f"stabilityguard: {self.label or 'running'}."
         parts = [head]
         if self.status == "diverged":
             parts.append(f"NaN/Inf gradients at step {self.applied_nonfinite_step} were applied"

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 RUN_ID_TAG = "stabilityguard.run_id"
 NOTE_TAG = "mlflow.note.content"
+#: How the bridge's paragraph starts (what came before it in a run's description is the user's and is kept).
+NOTE_MARK = "stabilityguard: "
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -194,8 +196,9 @@ class MLflowBridge(TrackerBridge):
         params = [p for p in params if p.key not in data.params]
         note = data.tags.get(NOTE_TAG)
         if note:
-            mine = note.find("**stabilityguard:")
+            mine = note.find(NOTE_MARK)
             self._user_note = note[:mine].rstrip() if mine >= 0 else note
+            self._user_note = self._user_note or None
         tags = [RunTag(RUN_ID_TAG, e.run_id)] + [RunTag(k, v) for k, v in self.env_tags.items()]
         self.client.log_batch(run_id, params=params, tags=tags)
 
