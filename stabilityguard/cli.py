@@ -140,10 +140,11 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise _Exit(EXIT_USAGE, f"error: --timeout must be > 0 seconds; got {args.timeout:g}")
     kwargs = {}
+    env = {}
     if args.to == "mlflow":
-        # This process only talks to MLflow for the sync: a server that dies mid-way is not retried for minutes.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(args.timeout))))
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        # During the sync: a server that dies mid-way is not retried for minutes (unless the user set these).
+        env = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(args.timeout))), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+        env = {k: v for k, v in env.items() if k not in os.environ}
         if args.tracking_uri:
             kwargs["tracking_uri"] = args.tracking_uri
         if args.experiment:
@@ -153,12 +154,16 @@ def _cmd_sync(args: argparse.Namespace) -> int:
             kwargs["project"] = args.project
         if args.wandb_dir:
             kwargs["dir"] = args.wandb_dir
+    os.environ.update(env)
     try:
         result = sync(p, args.to, run_id=args.run, timeout=args.timeout, **kwargs)
     except LookupError as exc:
         raise _Exit(EXIT_EMPTY, f"error: {exc}") from None
     except TrackerUnreachable as exc:
         raise _Exit(EXIT_UNREACHABLE, f"error: {exc}; nothing was synced") from None
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
     _echo(json.dumps(result))
     return 1 if result.get("failed") else 0
 

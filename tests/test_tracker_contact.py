@@ -46,6 +46,28 @@ def test_sync_to_a_server_that_is_not_there_fails_with_one_line_and_exit_code_6(
     assert lines[0].endswith("; nothing was synced")
 
 
+def test_sync_of_a_killed_run_records_where_its_log_ends(run_factory, mlflow_server):
+    from mlflow import MlflowClient
+
+    from stabilityguard.cli import main as cli_main
+
+    run = run_factory(log_every=5)
+    run.train(12)
+    run.opt.close()
+    log = next(run.opt.config.log_dir.glob("events-*.jsonl"))
+    lines = log.read_text().splitlines()
+    assert json.loads(lines[-1])["kind"] == "run_end"
+    log.write_text("\n".join(lines[:-1]) + "\n")  # as if the process had been killed
+    last = max(json.loads(x)["step"] for x in lines[:-1])
+    args = ["sync", str(log.parent), "--to", "mlflow", "--tracking-uri", mlflow_server.uri, "--experiment", "killed-runs"]
+    assert cli_main(args) == 0
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # the CLI's settings do not outlive the sync
+    client = MlflowClient(mlflow_server.uri)
+    (r,) = client.search_runs([client.get_experiment_by_name("killed-runs").experiment_id])
+    assert r.data.tags["sg.outcome"] == f"stopped@{last}" and r.info.status == "FAILED"
+    assert "the event log ends there without a run_end record" in r.data.tags["mlflow.note.content"]
+
+
 @pytest.mark.parametrize("bad", ["0", "-3", "nan"])
 def test_sync_refuses_a_bad_timeout(guard_log, bad):
     p = _cli("sync", str(guard_log), "--to", "mlflow", "--timeout", bad)

@@ -596,8 +596,12 @@ def _postmortem(log_dir: Any, run_id: str) -> List[Any]:
             try:
                 from ..reports import load_run, write_report
 
-                paths = write_report(load_run(log_dir, run_id=run_id), log_dir / f"report-{run_id}")
-                _reports[key] = list(paths.values())
+                out = log_dir / f"report-{run_id}"
+                paths = list(write_report(load_run(log_dir, run_id=run_id), out).values())
+                html = out / "postmortem.html"  # the version that renders in the trackers (inline images)
+                if html.exists() and html not in paths:
+                    paths.append(html)
+                _reports[key] = paths
             except ImportError as exc:
                 logger.info("post-mortem not uploaded (%s)", exc)
                 _reports[key] = []

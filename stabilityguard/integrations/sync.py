@@ -19,7 +19,9 @@ from typing import Any, Dict, List, Optional, Union
 
 from ..events import EventKind, GuardEvent, RunEnd
 from ..reports.load import Problem, iter_records
-from ._bridge import check_timeout
+from ._bridge import TrackerUnreachable, check_timeout
+
+__all__ = ["TARGETS", "TrackerUnreachable", "read_events", "sync"]
 
 logger = logging.getLogger(__name__)
 
