@@ -207,3 +207,29 @@ def test_wandb_project_and_run_id_from_the_environment(run_factory, tmp_path, mo
     wb = read_run(__import__("pathlib").Path(run_dir).parent)
     assert wb["exited"] and wb["run"]["id"] == "envrun0001" and wb["run"]["project"] == "env-project"
     assert wb["summary"]["sg/outcome"] == "completed"
+
+
+def test_wandb_sync_replays_outcome_and_is_not_repeated(run_factory, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from stabilityguard.cli import main as cli_main
+    from stabilityguard.testing import poison_grad
+
+    from .wandb_reader import read_run
+
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}.items():
+        monkeypatch.setenv(k, v)
+    run = run_factory(log_every=5)
+    run.train(15, faults={8: lambda m: poison_grad(m.head)})
+    run.opt.close()
+    log_dir = str(run.opt.config.log_dir)
+    args = ["sync", log_dir, "--to", "wandb", "--project", "replayed", "--wandb-dir", str(tmp_path / "wb")]
+    assert cli_main(args) == 0
+    (run_dir,) = (tmp_path / "wb" / "wandb").glob("offline-run-*")
+    wb = read_run(run_dir)
+    assert wb["exited"] and wb["run"]["project"] == "replayed" and "sg:completed" in wb["run"]["tags"]
+    assert wb["summary"]["sg/outcome"] == "completed" and wb["summary"]["sg/first_nonfinite_step"] == 8
+    assert wb["run"]["notes"].startswith("stabilityguard: completed. 15 steps, 0 spikes, 1 NaN/Inf step (first at step 8")
+    assert [(h["sg/step"], h["sg/nonfinite"]) for h in wb["history"] if "sg/nonfinite" in h] == [
+        (4, 0.0), (7, 0.0), (8, 1.0), (9, 0.0), (14, 0.0)]
+    assert cli_main(args) == 0
+    assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*"))) == 1  # the second sync did nothing
