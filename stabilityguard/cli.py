@@ -1,8 +1,7 @@
 """Command line: ``stabilityguard report | compare | summary | sync``.
 
 Exit codes: 0 success; 2 bad usage or a missing path; 3 no events found; 4 a log that cannot be read
-(newer schema); 5 an optional package is missing; 1 sync could not deliver everything; 6 sync could not
-reach the tracker within ``--timeout`` seconds.
+(newer schema); 5 an optional package is missing; 1 sync could not deliver everything.
 """
 
 from __future__ import annotations
@@ -125,7 +124,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_UNREACHABLE = 6
+#: ``sync``: the tracker did not answer within ``--timeout`` seconds (6 is the internal-error code).
+EXIT_UNREACHABLE = 7
 
 
 def _cmd_sync(args: argparse.Namespace) -> int:
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--wandb-dir", help="W&B directory (with WANDB_MODE=offline: where the offline run goes)")
     y.add_argument("--timeout", type=float, default=10.0,
                    help="seconds the tracker may take to answer the first contact (default 10); "
-                        "exit code 6 if it does not")
+                        "exit code 7 if it does not")
     y.set_defaults(func=_cmd_sync)
     return ap
 

@@ -34,12 +34,12 @@ def _cli(*args, timeout=120):
                           timeout=timeout, env=env)
 
 
-def test_sync_to_a_server_that_is_not_there_fails_with_one_line_and_exit_code_6(guard_log):
+def test_sync_to_a_server_that_is_not_there_fails_with_one_line_and_exit_code_7(guard_log):
     pytest.importorskip("mlflow")
     uri = f"http://127.0.0.1:{free_port()}"
     # timeout=120 s for the whole process: before, the MLflow client retried for about 250 s.
     p = _cli("sync", str(guard_log), "--to", "mlflow", "--tracking-uri", uri, "--timeout", "2")
-    assert p.returncode == 6, p.stderr
+    assert p.returncode == 7, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and p.stdout == ""
     assert lines[0].startswith(f"error: cannot reach the tracking server at {uri} within 2s (")
@@ -178,6 +178,10 @@ def test_mlflow_nested_run_from_the_environment_is_a_child_of_the_active_run(run
         assert child.info.run_id != parent.info.run_id and bridge.owns_run
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.info.experiment_id == parent.info.experiment_id and child.info.status == "FINISHED"
+        with mlflow.start_run() as trainer_run:  # what a Trainer integration does: log into the Trainer's run
+            assert MLflowBridge(nested=False).run_id == trainer_run.info.run_id
+        with pytest.raises(ConfigError, match="nested must be True, False or None; got 'yes'"):
+            MLflowBridge(nested="yes")
     finally:
         mlflow.set_tracking_uri(None)
 

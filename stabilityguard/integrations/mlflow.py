@@ -77,6 +77,8 @@ class MLflowBridge(TrackerBridge):
         artifact_location: Artifact location of a new experiment (e.g. a folder next to a sqlite store).
         close_timeout: Seconds ``close()`` waits for the worker to deliver what is queued.
         connect_timeout: Seconds the first contact may take before the server counts as unreachable.
+        nested: With an active run, start a child run of it (default: ``MLFLOW_NESTED_RUN``). A Trainer
+            integration that must log into the run the Trainer opened passes ``False`` (or ``run_id``).
     """
 
     tracker_name = "mlflow"
@@ -95,6 +97,7 @@ class MLflowBridge(TrackerBridge):
         connect_timeout: float = 10.0,
         upload_report: bool = True,
         background: bool = True,
+        nested: Optional[bool] = None,
     ) -> None:
         self._mlflow = require("mlflow", extra="mlflow", feature="MLflowBridge")
         self.connect_timeout = check_timeout("connect_timeout", connect_timeout)
@@ -102,6 +105,8 @@ class MLflowBridge(TrackerBridge):
                             ("run_id", run_id), ("run_name", run_name)):
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a string or None; got {value!r}")
+        if nested is not None and not isinstance(nested, bool):
+            raise ConfigError(f"nested must be True, False or None; got {nested!r}")
         if tags is not None and not isinstance(tags, dict):
             raise ConfigError(f"tags must be a dict of strings or None; got {tags!r}")
         self.env_tags = env_tags()
@@ -125,7 +130,9 @@ class MLflowBridge(TrackerBridge):
         if run_id is None and experiment_name is None:
             active = self._mlflow.active_run()
             if active is not None:
-                if os.environ.get("MLFLOW_NESTED_RUN", "").upper() in _TRUE:
+                if nested is None:
+                    nested = os.environ.get("MLFLOW_NESTED_RUN", "").upper() in _TRUE
+                if nested:
                     self.parent_run_id = active.info.run_id
                     self._experiment_id = active.info.experiment_id
                 else:
