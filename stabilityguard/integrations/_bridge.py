@@ -11,8 +11,9 @@ counters (step functions)  ``sg/spikes_total``, ``sg/nonfinite_total``, ``sg/ski
                            totals so far, logged on every summary and at every incident twice (the old
                            value at step N-1, the new one at N), so a chart shows a step at the
                            incident rather than a ramp across the summary window
-incident markers           ``sg/spike``, ``sg/nonfinite``: 1 at an incident step, 0 on every summary,
-                           so each incident is its own peak and two incidents are never joined;
+incident markers           ``sg/spike``, ``sg/nonfinite``: 1 at an incident step, 0 on every summary
+                           and on the steps just before and after an incident (a one-step pulse), so
+                           two incidents are never joined by a line;
                            ``sg/action``: 0 on summaries (accepted), at incidents 1 skip, 2 rollback,
                            3 raise, 4 monitor (observe-only: would have been refused, was applied);
                            ``sg/diverged``: 0 until the run diverged, 1 from then on
