@@ -209,6 +209,7 @@ class GuardPolicy:
         self.global_count = 0
         #: Per layer, the ratios of its current run of consecutive critical spikes.
         self.runs: List[List[float]] = [[] for _ in range(self.n_layers)]
+        self._open_runs = False
 
     # ------------------------------------------------------------------ deciding
     def decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
@@ -268,15 +269,18 @@ class GuardPolicy:
         det, decision = self.detector, verdict.decision
         before = det.baselines() if (not verdict.accepted or decision.shifted) else []
         mask = decision.spike_mask
-        for i in range(self.n_layers):
-            if mask is not None and mask[i]:
-                self.runs[i].append(decision.ratios[i])
-            elif self.runs[i] and (present is None or present[i]):
-                self.runs[i] = []
+        if mask is not None or self._open_runs:  # the common step has neither: no loop over layers
+            for i in range(self.n_layers):
+                if mask is not None and mask[i]:
+                    self.runs[i].append(decision.ratios[i])
+                elif self.runs[i] and (present is None or present[i]):
+                    self.runs[i] = []
+            self._open_runs = any(self.runs)
         if decision.level_shift is not None:
             for i, s in enumerate(decision.level_shift):
                 if s:
                     self.runs[i] = []
+            self._open_runs = any(self.runs)
         fed = self._fed_values(values, decision) if verdict.kind == CLIP else values
         det.commit(decision, fed, present)
         if verdict.accepted:
@@ -329,6 +333,7 @@ class GuardPolicy:
         runs = state.get("runs") or {}
         names = self.detector.names
         self.runs = [list(map(float, runs.get(names[i], []))) for i in range(self.n_layers)]
+        self._open_runs = any(self.runs)
 
 
 def _accept_shifts(decision: Decision, layers: List[int]) -> Decision:
