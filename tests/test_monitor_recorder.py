@@ -142,16 +142,15 @@ def test_graded_settings_are_validated(kw, name):
 @pytest.mark.parametrize("unused_layer", [False, True])  # True: a parameter without grad (general path)
 def test_update_size_is_read_with_the_next_transfer_and_exact_for_sgd(tmp_path, unused_layer):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    if unused_layer:
-        model.add_module("unused", torch.nn.Linear(2, 2))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = torch.nn.ModuleDict({"net": net, "unused": torch.nn.Linear(2, 2)}) if unused_layer else net
     lr = 0.05
     opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model, log_dir=tmp_path, verbose=False,
                            log_every=5, track_update_size=True, graded_response=False)
     numel = sum(p.numel() for p in model.parameters())
     expected = []
     for _ in range(10):
-        loss = model(torch.randn(16, 4)).pow(2).mean()
+        loss = net(torch.randn(16, 4)).pow(2).mean()
         loss.backward()
         opt.step(loss=loss)
         expected.append(lr * opt.last_stats.global_norm / numel ** 0.5)  # plain SGD: the update is lr x grad
