@@ -1,7 +1,8 @@
 """Command line: ``stabilityguard report | compare | summary | sync``.
 
 Exit codes: 0 success; 2 bad usage or a missing path; 3 no events found; 4 a log that cannot be read
-(newer schema); 5 an optional package is missing; 1 sync could not deliver everything.
+(newer schema); 5 an optional package is missing; 1 sync could not deliver everything; 7 sync could not
+reach the tracker within `--timeout`.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ EXIT_UNREACHABLE = 7
 def _cmd_sync(args: argparse.Namespace) -> int:
     import os
 
-    from .integrations._bridge import TrackerUnreachable
+    from .errors import TrackerUnreachable
     from .integrations.sync import sync
 
     p = Path(args.logdir)

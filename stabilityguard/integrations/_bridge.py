@@ -47,7 +47,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TrackerUnreachable
 from ..events import (
     ActionTaken, BaselineReset, EosWarning, GuardEvent, NonFinite, RunEnd, RunStart, Sharpness, Spike, StepSummary,
 )
@@ -68,9 +68,6 @@ MARKERS = ("sg/spike", "sg/nonfinite", "sg/diverged")
 _ZERO_MARKERS = {"sg/spike": 0.0, "sg/nonfinite": 0.0, "sg/action": 0.0}
 _STOP = object()
 
-
-class TrackerUnreachable(ConnectionError):
-    """The tracking server did not answer within the contact timeout (message: one line)."""
 
 
 def _num(value: Any) -> Optional[float]:

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Union
 
 from ..events import EventKind, GuardEvent, RunEnd
 from ..reports.load import Problem, iter_records
-from ._bridge import TrackerUnreachable, check_timeout
+from ..errors import TrackerUnreachable
+from ._bridge import check_timeout
 
 __all__ = ["TARGETS", "TrackerUnreachable", "read_events", "sync"]
 
@@ -66,7 +67,7 @@ def sync(log_dir: Union[str, Path], to: str, run_id: Optional[str] = None, timeo
     """Replay one run's event log into ``to`` (``"mlflow"`` or ``"wandb"``); returns what was done.
 
     The tracker is contacted first, with ``timeout``: one that does not answer raises
-    :class:`~stabilityguard.integrations._bridge.TrackerUnreachable` (a one-line message) before
+    :class:`~stabilityguard.errors.TrackerUnreachable` (a one-line message) before
     anything is replayed. A log without ``run_end`` (process killed) gets the outcome ``stopped@N``.
 
     Args:
