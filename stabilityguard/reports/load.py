@@ -148,6 +148,8 @@ class _Corrupt(ValueError):
 
 _NAN = float("nan")
 _INF = float("inf")
+_INT_MAX = 2**63  # int64 columns
+_BIG = 2**1000  # larger JSON integers do not fit a float
 
 
 def _type_name(v: Any) -> str:
@@ -168,7 +170,8 @@ class _Checker:
         self.bad: List[str] = []
 
     def _complain(self, key: str, v: Any, expected: str) -> None:
-        self.bad.append(f"{key!r} is {_type_name(v)} {_short(v)}, expected {expected}")
+        shown = "null" if v is None else f"{_type_name(v)} {_short(v)}"
+        self.bad.append(f"{key!r} is {shown}, expected {expected}: read as unknown")
 
     def num(self, rec: Dict[str, Any], key: str) -> float:
         """A number or NaN (missing, null, or wrong type: reported)."""
@@ -176,7 +179,7 @@ class _Checker:
         t = type(v)
         if t is float:
             return v
-        if t is int:
+        if t is int and -_BIG < v < _BIG:
             return float(v)
         if v is not None:
             self._complain(key, v, "a number")
@@ -186,9 +189,9 @@ class _Checker:
         v = rec.get(key)
         if v is None:
             return None
-        if type(v) is int:
+        if type(v) is int and -_INT_MAX <= v < _INT_MAX:
             return v
-        if type(v) is float and v.is_integer():
+        if type(v) is float and v.is_integer() and -_INT_MAX <= v < _INT_MAX:
             return int(v)
         self._complain(key, v, "an integer")
         return None
@@ -204,10 +207,15 @@ class _Checker:
         self._complain(key, v, "a string")
         return None
 
-    def mapping(self, rec: Dict[str, Any], key: str, values: str = "num") -> Dict[str, Any]:
-        """An object of str -> number (``values="num"``, null allowed) or str -> str; ``{}`` otherwise."""
+    def mapping(self, rec: Dict[str, Any], key: str, values: str = "num", section: bool = True) -> Dict[str, Any]:
+        """An object of str -> number (``values="num"``, null allowed) or str -> str; ``{}`` otherwise.
+
+        A ``section`` (an object the guard always writes) that is ``null`` is reported; a missing one is not.
+        """
         v = rec.get(key)
         if v is None:
+            if section and key in rec:
+                self._complain(key, v, "an object")
             return {}
         if not isinstance(v, dict):
             self._complain(key, v, "an object")
@@ -216,7 +224,7 @@ class _Checker:
         dropped = 0
         for k, x in v.items():
             if values == "num":
-                if x is None or (type(x) in (int, float)):
+                if x is None or type(x) is float or (type(x) is int and -_BIG < x < _BIG):
                     out[k] = None if x is None else float(x)
                     continue
             elif type(x) is str:
@@ -230,6 +238,8 @@ class _Checker:
     def names(self, rec: Dict[str, Any], key: str) -> List[str]:
         v = rec.get(key)
         if v is None:
+            if key in rec:
+                self._complain(key, v, "a list of strings")
             return []
         if not isinstance(v, list):
             self._complain(key, v, "a list of strings")
@@ -242,16 +252,16 @@ class _Checker:
 
 def _step_of(rec: Dict[str, Any]) -> int:
     v = rec.get("step")
-    if type(v) is int:
+    if type(v) is int and -_INT_MAX <= v < _INT_MAX:
         return v
-    if type(v) is float and v.is_integer():
+    if type(v) is float and v.is_integer() and -_INT_MAX <= v < _INT_MAX:
         return int(v)
     raise _Corrupt(f"'step' is {_type_name(v)} {_short(v)}, expected an integer: record skipped")
 
 
 def _rank_of(rec: Dict[str, Any]) -> int:
     v = rec.get("rank")
-    return v if type(v) is int else 0
+    return v if type(v) is int and 0 <= v < _INT_MAX else 0
 
 
 class _RunBuilder:
@@ -337,7 +347,7 @@ class _RunBuilder:
             row = {"step": step, "action": chk.text(rec, "action"), "reason": chk.text(rec, "reason"),
                    "layer": chk.text(rec, "layer"), "rollback_to_step": chk.opt_int(rec, "rollback_to_step"),
                    "segment": seg}
-            clipped = chk.mapping(rec, "clipped_layers")
+            clipped = chk.mapping(rec, "clipped_layers", section=False)
             row["clipped_layers"] = clipped or None
             self._flush(chk)
             self.ranks.add(rank)
@@ -395,8 +405,8 @@ class _RunBuilder:
         # calibration / eos_warning: known, not needed by reports
 
     def _flush(self, chk: _Checker) -> None:
-        if chk.bad:
-            self.report("; ".join(chk.bad) + " (read as unknown)")
+        for msg in chk.bad:
+            self.report(msg)
 
     def _add_start(self, rec: Dict[str, Any], rank: int) -> None:
         chk = _Checker()
@@ -474,14 +484,14 @@ class _RunBuilder:
                 bad += 1
                 continue
             s = e.get("step")
-            if type(s) is not int:
+            if type(s) is not int or not -_INT_MAX <= s < _INT_MAX:
                 bad += 1
                 continue
             vals = []
             for k in _WINDOW_FLOATS:
                 v = e.get(k)
                 t = type(v)
-                if t is float or t is int:
+                if t is float or (t is int and -_BIG < v < _BIG):
                     vals.append(float(v))
                 else:
                     bad += v is not None
@@ -519,7 +529,7 @@ class _RunBuilder:
         spike_layers = chk.mapping(rec, "spike_layers")
         norms = chk.mapping(rec, "layer_norms")
         bases = chk.mapping(rec, "ema_baselines")
-        values = chk.mapping(rec, "nonfinite_values", values="str")
+        values = chk.mapping(rec, "nonfinite_values", values="str", section=kind == "nonfinite")
         loss_finite = rec.get("loss_finite")
         if loss_finite is not None and type(loss_finite) is not bool:
             chk._complain("loss_finite", loss_finite, "a boolean")

@@ -84,18 +84,20 @@ def timeline_plot(run: RunLog, path: PathLike) -> Path:
     triangles at the bottom, accepted level shifts as dotted lines.
     """
     with _literal_text():
-        fig = _figure(9, 4.2)
+        fig = _figure(9, 5)
         ax = fig.add_subplot(1, 1, 1)
         steps, inc = run.steps, run.incidents
         agg = _has(steps, "global_norm_max")
         norm_col = "global_norm_max" if agg else "global_norm"
         steps = _downsample(steps, column=norm_col)
         if len(steps):
-            ax.plot(steps["step"], steps[norm_col], color="tab:blue", lw=1.2,
+            # an aggregate covers the window that ends at its summary step: drawn flat over that window
+            style = {"drawstyle": "steps-pre"} if agg else {}
+            ax.plot(steps["step"], steps[norm_col], color="tab:blue", lw=1.2, **style,
                     label="grad norm, max per summary window" if agg else "grad norm at summary steps")
             if _has(steps, "global_norm_mean"):
                 ax.plot(steps["step"], steps["global_norm_mean"], color="tab:blue", lw=0.8, alpha=0.45,
-                        label="grad norm, mean per summary window")
+                        drawstyle="steps-pre", label="grad norm, mean per summary window")
         win = run.windows
         if win is not None and len(win) and win["global_norm"].notna().any():
             ax.scatter(win["step"], win["global_norm"], s=4, color="tab:cyan", alpha=0.6, zorder=2,
@@ -124,6 +126,7 @@ def timeline_plot(run: RunLog, path: PathLike) -> Path:
         if len(steps) and steps[loss_col].notna().any():
             ax2 = ax.twinx()
             ax2.plot(steps["step"], steps[loss_col], color="tab:brown", lw=1.2, ls="-.",
+                     drawstyle="steps-pre" if loss_col == "loss_mean" else "default",
                      label="loss, mean per summary window (right axis)" if loss_col == "loss_mean"
                      else "loss at summary steps (right axis)")
             ax2.set_ylabel("loss (right axis)", color="tab:brown")
@@ -132,7 +135,8 @@ def timeline_plot(run: RunLog, path: PathLike) -> Path:
             handles, labels = handles + h2, labels + l2
         ax.set_title(_t(f"run {run.run_id}: gradient norm and loss, spikes and NaN/Inf"))
         if handles:
-            ax.legend(handles, labels, loc="upper left", fontsize=7, framealpha=0.85)
+            ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=7,
+                      frameon=False)
         return _save(fig, path)
 
 

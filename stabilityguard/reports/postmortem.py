@@ -152,12 +152,20 @@ def _window_lines(run: RunLog, step: int, segment: int, trigger: Any) -> List[st
         out.append(f"- early signal: the grad norm was above 2x its window median for the last {lead} steps "
                    "before the incident." if lead else
                    "- early signal: none in the grad norm (it was not above 2x its window median right before "
-                   "the incident): the spike came without a run-up.")
+                   "the incident): the incident came without a run-up.")
         refused = pre[pre["action"].astype(object).isin(["skip", "rollback", "raise", "monitor", "clip"])]
         if len(refused):
             what = ", ".join(f"{int(s)} ({md_escape(a)})" for s, a in zip(refused["step"].head(8),
                                                                         refused["action"].astype(object).head(8)))
             out.append(f"- decisions before it: {what}" + (" ..." if len(refused) > 8 else "") + ".")
+    rb = run.refused_batches
+    if rb is not None and len(rb):
+        for _, b in rb[rb["step"] == step].head(4).iterrows():
+            samples = b["sample_indices"]
+            shown = "unknown" if not isinstance(samples, list) else (
+                ", ".join(map(str, samples[:8])) + (" ..." if len(samples) > 8 else ""))
+            out.append(f"- its batch (rank {_fmt(b['rank'])}, {md_escape(_fmt(b['framework']))}): epoch "
+                       f"{_fmt(b['epoch'])}, batch {_fmt(b['batch_index'])}, samples {shown}.")
     if after is not None and len(after):
         acts = after["action"].astype(object)
         g = after["global_norm"].to_numpy(dtype=float)
@@ -613,10 +621,12 @@ def markdown_to_html(md: str, images: Optional[Dict[str, Path]] = None, title: s
         if m:
             depth = len(m.group(1)) // 2 + 1
             kind = "ul" if m.group(2) == "- " else "ol"
+            close_lists(depth)
+            if len(list_stack) == depth and list_stack[-1] != kind:
+                close_lists(depth - 1)
             while len(list_stack) < depth:
                 body.append(f"<{kind}>")
                 list_stack.append(kind)
-            close_lists(depth)
             body.append(f"<li>{_inline(m.group(3))}</li>")
             i += 1
             continue
