@@ -47,6 +47,10 @@ _SUMMARY_INTS = ("steps", "spikes", "nonfinite", "skipped", "rollbacks")
 _SUMMARY_OPTIONAL = ("window_steps", "global_norm_mean", "global_norm_max", "loss_mean", "loss_max",
                      "update_rms_mean", "clipped", "would_refuse", "refused_max_ratio",
                      "post_clip_global_norm", "clipped_layers")
+_SUMMARY_OPTIONAL_SET = frozenset(_SUMMARY_OPTIONAL)
+_SUMMARY_KNOWN = frozenset(("schema_version", "kind", "run_id", "step", "rank", "max_ratio_layer")
+                           + _SUMMARY_FLOATS + _SUMMARY_INTS)
+_N_SUMMARY_KNOWN = len(_SUMMARY_KNOWN)
 _WINDOW_FLOATS = ("global_norm", "loss", "lr", "max_ratio", "update_rms")
 #: Values of the ``action`` field of a flight-recorder window entry (schema 1.5).
 WINDOW_ACTIONS = ("accepted", "clip", "skip", "rollback", "raise", "monitor")
@@ -273,10 +277,9 @@ class _RunBuilder:
         self.starts: Dict[int, List[Dict[str, Any]]] = {}  # rank -> run_start records, one per segment
         self.ends: Dict[Tuple[int, int], Dict[str, Any]] = {}  # (rank, segment) -> run_end
         self.segment_of_rank: Dict[int, int] = {}
-        self.floats = {k: array("d") for k in _SUMMARY_FLOATS}
-        self.ints = {k: array("q") for k in ("step", "rank", "segment") + _SUMMARY_INTS}
-        self._float_arrays = [self.floats[k] for k in _SUMMARY_FLOATS]
-        self._int_arrays = [self.ints[k] for k in ("step", "rank", "segment") + _SUMMARY_INTS]
+        # summary rows, row-major: one extend per record (columns are cut out with numpy at the end)
+        self.frows = array("d")
+        self.irows = array("q")
         self.optional: Dict[str, array] = {}
         self.layer_codes = array("i")
         self.refused_codes: Optional[array] = None
@@ -295,7 +298,9 @@ class _RunBuilder:
         self.win_action = array("b")
         self.windows_seen: set = set()  # (segment, incident_step, phase)
         self.actions: List[Dict[str, Any]] = []
+        self.action_keys: set = set()
         self.resets: List[Dict[str, Any]] = []
+        self.reset_keys: set = set()
         self.sharpness: List[tuple] = []
         self.refused: List[Dict[str, Any]] = []
         self.ranks: set = set()
@@ -309,7 +314,7 @@ class _RunBuilder:
         return code
 
     def _reset_summaries(self) -> None:
-        for a in self._float_arrays + self._int_arrays + list(self.optional.values()) + [self.layer_codes]:
+        for a in [self.frows, self.irows] + list(self.optional.values()) + [self.layer_codes]:
             del a[:]
         if self.refused_codes is not None:
             del self.refused_codes[:]
@@ -351,8 +356,9 @@ class _RunBuilder:
             row["clipped_layers"] = clipped or None
             self._flush(chk)
             self.ranks.add(rank)
-            if not any((a["step"], a["segment"], a["action"]) == (step, seg, row["action"])
-                       for a in self.actions[-8:]):  # once per step across ranks
+            key = (step, seg, row["action"])
+            if key not in self.action_keys:  # once per step across ranks
+                self.action_keys.add(key)
                 self.actions.append(row)
         elif kind == "baseline_reset":
             step = _step_of(rec)
@@ -361,7 +367,9 @@ class _RunBuilder:
                    "new_baseline": chk.num(rec, "new_baseline"), "consecutive": chk.int0(rec, "consecutive")}
             self._flush(chk)
             self.ranks.add(rank)
-            if not any((r["step"], r["layer"]) == (step, row["layer"]) for r in self.resets[-8:]):
+            key = (step, seg, row["layer"])
+            if key not in self.reset_keys:
+                self.reset_keys.add(key)
                 self.resets.append(row)
         elif kind == "sharpness":  # edge-of-stability checks are single-process
             step = _step_of(rec)
@@ -432,16 +440,60 @@ class _RunBuilder:
 
     def _add_summary(self, rec: Dict[str, Any], rank: int) -> None:
         step = _step_of(rec)
-        chk = _Checker()
-        floats = [chk.num(rec, k) for k in _SUMMARY_FLOATS]
-        ints = [step, rank, self.segment_of_rank.get(rank, 0)] + [chk.int0(rec, k) for k in _SUMMARY_INTS]
-        layer = chk.text(rec, "max_ratio_layer")
-        opt = {}
-        for k in _SUMMARY_OPTIONAL:
-            if k in rec:
-                opt[k] = chk.num(rec, k)
-        refused_layer = chk.text(rec, "refused_max_ratio_layer") if "refused_max_ratio_layer" in rec else None
-        self._flush(chk)
+        get = rec.get
+        # Fast path (a well-formed record): whole rows type-checked by array constructors in C.
+        floats = list(map(get, _SUMMARY_FLOATS))
+        counts = list(map(get, _SUMMARY_INTS))
+        layer = get("max_ratio_layer")
+        ok = layer is None or type(layer) is str
+        if ok:
+            try:
+                frow = array("d", floats)
+            except TypeError:  # null values (unknown) or wrong types
+                try:
+                    frow = array("d", [_NAN if v is None else v for v in floats])
+                except (TypeError, OverflowError):
+                    ok = False
+            except OverflowError:
+                ok = False
+        if ok:
+            try:
+                irow = array("q", [step, rank, self.segment_of_rank.get(rank, 0)])
+                irow.extend(counts)  # TypeError for null/str/float, OverflowError beyond int64
+            except (TypeError, OverflowError):
+                ok = False
+            if ok and bool in set(map(type, floats + counts)):  # array() would take True as 1
+                ok = False
+        opt: Dict[str, float] = {}
+        refused_layer = None
+        # optional fields (schema 1.3/1.5) can only be there if the record has more keys than the known
+        # ones, or if a known one is missing (read as None)
+        if ok and (len(rec) != _N_SUMMARY_KNOWN or layer is None or None in floats):
+            extra = rec.keys() - _SUMMARY_KNOWN
+            if extra:
+                for k in extra:
+                    if k in _SUMMARY_OPTIONAL_SET:
+                        v = rec[k]
+                        t = type(v)
+                        if t is float or (t is int and -_BIG < v < _BIG):
+                            opt[k] = v
+                        elif v is None:
+                            opt[k] = _NAN
+                        else:
+                            ok = False
+                refused_layer = rec.get("refused_max_ratio_layer")
+                if refused_layer is not None and type(refused_layer) is not str:
+                    ok = False
+        if ok:
+            floats, ints = frow, irow
+        else:
+            chk = _Checker()
+            floats = [chk.num(rec, k) for k in _SUMMARY_FLOATS]
+            ints = [step, rank, self.segment_of_rank.get(rank, 0)] + [chk.int0(rec, k) for k in _SUMMARY_INTS]
+            layer = chk.text(rec, "max_ratio_layer")
+            opt = {k: chk.num(rec, k) for k in _SUMMARY_OPTIONAL if k in rec}
+            refused_layer = chk.text(rec, "refused_max_ratio_layer") if "refused_max_ratio_layer" in rec else None
+            self._flush(chk)
         self.ranks.add(rank)
         # Per-rank logs of one run hold the same decisions: summaries are taken from the lowest rank.
         if self.summary_rank is None or rank < self.summary_rank:
@@ -452,10 +504,8 @@ class _RunBuilder:
             return
         n = len(self.layer_codes)
         # Everything is validated: append to every column (never half a row).
-        for a, v in zip(self._float_arrays, floats):
-            a.append(v)
-        for a, v in zip(self._int_arrays, ints):
-            a.append(v)
+        self.frows.extend(floats)
+        self.irows.extend(ints)
         for k, v in opt.items():
             if k not in self.optional:
                 self.optional[k] = array("d", [_NAN]) * n if n else array("d")
@@ -606,8 +656,10 @@ class _RunBuilder:
         def cat(codes: array) -> Any:
             return pd.Categorical.from_codes(col(codes, np.int32), categories=names)
 
-        cols: Dict[str, Any] = {k: col(v, np.int64) for k, v in self.ints.items()}
-        cols.update({k: col(v, np.float64) for k, v in self.floats.items()})
+        frows = col(self.frows, np.float64).reshape(-1, len(_SUMMARY_FLOATS))
+        irows = col(self.irows, np.int64).reshape(-1, 3 + len(_SUMMARY_INTS))
+        cols: Dict[str, Any] = {k: irows[:, i].copy() for i, k in enumerate(("step", "rank", "segment") + _SUMMARY_INTS)}
+        cols.update({k: frows[:, i].copy() for i, k in enumerate(_SUMMARY_FLOATS)})
         cols["max_ratio_layer"] = cat(self.layer_codes)
         order = ["step", "time", "global_norm", "max_ratio", "max_ratio_layer", "loss", "lr", "threshold",
                  "steps", "spikes", "nonfinite", "skipped", "rollbacks", "rank", "segment"]

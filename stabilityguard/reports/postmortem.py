@@ -183,19 +183,23 @@ def _window_lines(run: RunLog, step: int, segment: int, trigger: Any) -> List[st
     return out
 
 
-def next_steps(run: RunLog) -> List[str]:
+def next_steps(run: RunLog, summary: Optional[Dict[str, Any]] = None, ranking: Any = None,
+               max_clusters: int = 200) -> List[str]:
     """Concrete suggestions derived from the data (each names the evidence).
 
     The layer named first is the top of :func:`~stabilityguard.reports.tables.layer_ranking` (the same
     layer as ``stabilityguard summary`` and the post-mortem's tables). Covers NaN/Inf (forward vs
     backward pass), spikes (the dominant layer, LR warm-up, early signals in the flight-recorder
-    windows, spikes that reached the loss), bursts, skips, clipping, monitor mode and level shifts.
+    windows of the first ``max_clusters`` incident clusters, spikes that reached the loss), bursts,
+    skips, clipping, monitor mode and level shifts. ``summary``/``ranking``: precomputed
+    :func:`run_summary` / :func:`layer_ranking` of this run.
 
     Example:
         >>> for line in next_steps(load_run("./sg_logs")): print(line)  # doctest: +SKIP
     """
     inc, out = run.incidents, []
-    summary = run_summary(run)
+    ranking = layer_ranking(run) if ranking is None else ranking
+    summary = run_summary(run, ranking) if summary is None else summary
     n = len(inc)
     if n == 0:
         out.append("No spike or NaN/Inf step was found: nothing to fix. Keep the guard on; if you expected "
@@ -205,7 +209,6 @@ def next_steps(run: RunLog) -> List[str]:
             out.append(f"{summary['clipped']} steps were clipped (taken with some layers scaled down): see "
                        "the clipped row of the severity table.")
         return out
-    ranking = layer_ranking(run)
     if len(ranking):
         top = ranking.index[0]
         share = ranking["triggers"].iloc[0] / n
@@ -243,11 +246,17 @@ def next_steps(run: RunLog) -> List[str]:
                    "warm-up; a global clip (`clip_grad_norm`) bounds the updates the guard lets through; for "
                    "attention or output layers, QK-norm or a z-loss on the logits keep them in range.")
         leads, silent = [], 0
-        for step, seg in _closeup_steps(run, 1000):
-            before = window_of(run, step, seg, "before")
+        w = run.windows
+        groups = {}
+        if w is not None and len(w):
+            firsts = _closeup_steps(run, max_clusters)
+            sel = w[(w["phase"] == "before") & w["incident_step"].isin([f for f, _ in firsts])]
+            groups = {(int(k[0]), int(k[1])): g for k, g in sel.groupby(["incident_step", "segment"], sort=False)}
+        for step, seg in (_closeup_steps(run, max_clusters) if groups else []):
+            before = groups.get((step, seg))
             if before is None or not len(before):
                 continue
-            lead = early_signal(before, step)
+            lead = early_signal(before.sort_values("step"), step)
             if lead:
                 leads.append(lead)
             else:
@@ -376,7 +385,8 @@ def postmortem_markdown(
         >>> md = postmortem_markdown(load_run("./sg_logs"))  # doctest: +SKIP
     """
     images = images or {}
-    s = run_summary(run)
+    ranking = layer_ranking(run)
+    s = run_summary(run, ranking)
     inc = run.incidents
     out = [f"# Post-mortem: run {md_escape(run.run_id)}", ""]
     status = "completed" if s["completed"] else "no run_end record (the process did not close the guard)"
@@ -476,12 +486,11 @@ def postmortem_markdown(
     out += _refused_section(run)
     out += ["## Severity", "", _table(severity_table(run), "severity"), ""]
     out += ["## Top layers", "", md_escape(RANKING_RULE), ""]
-    ranking = layer_ranking(run)
     out += [_table(ranking.head(top), "layer") if len(ranking) else "No layer was over the threshold.", ""]
     if images.get("heatmap") and len(inc):
         out += [f"![layer x step ratios]({images['heatmap']})", ""]
     out += _eos_section(run)
-    out += ["## What to try next", ""] + [f"{i}. {t}" for i, t in enumerate(next_steps(run), 1)] + [""]
+    out += ["## What to try next", ""] + [f"{i}. {t}" for i, t in enumerate(next_steps(run, s, ranking), 1)] + [""]
     cfg = run.config
     if cfg:
         out += ["## Configuration", "", "| setting | value |", "|---|---|"]

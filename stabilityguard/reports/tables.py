@@ -125,10 +125,11 @@ def _last_known(run: RunLog, key: str) -> Optional[int]:
     return None
 
 
-def run_summary(run: RunLog) -> dict:
+def run_summary(run: RunLog, ranking: Any = None) -> dict:
     """Headline numbers of a run (JSON-native).
 
-    ``top_layer`` and ``spike_layers`` follow :data:`RANKING_RULE`. ``clipped`` and ``would_refuse`` are the
+    ``top_layer`` and ``spike_layers`` follow :data:`RANKING_RULE` (``ranking``: a precomputed
+    :func:`layer_ranking` of this run, to save recomputing it). ``clipped`` and ``would_refuse`` are the
     guard's totals (schema 1.5; from the clip actions and monitor-mode incidents of older logs);
     ``spike_score_loss`` and ``spike_score_grad_norm`` are :func:`spike_score` values (``None`` when
     too few values are known); ``segments`` counts the run's resumed segments.
@@ -141,7 +142,7 @@ def run_summary(run: RunLog) -> dict:
     if last_loss is None and len(run.steps):
         finite = run.steps["loss"].dropna()
         last_loss = float(finite.iloc[-1]) if len(finite) else None
-    ranking = layer_ranking(run)
+    ranking = layer_ranking(run) if ranking is None else ranking
     li = run.layer_incidents
     spike_layers = set(li.loc[li["kind"] == "spike", "layer"]) if len(li) else set()
     clipped = _last_known(run, "clipped")
