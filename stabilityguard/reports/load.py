@@ -649,7 +649,7 @@ class _RunBuilder:
         import numpy as np
 
         def col(a: array, dtype: Any) -> Any:
-            return np.frombuffer(a, dtype=dtype).copy() if len(a) else np.zeros(0, dtype)
+            return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype)  # a view: no copy
 
         names = list(self.layer_names)
 

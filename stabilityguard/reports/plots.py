@@ -100,7 +100,10 @@ def timeline_plot(run: RunLog, path: PathLike) -> Path:
                         drawstyle="steps-pre", label="grad norm, mean per summary window")
         win = run.windows
         if win is not None and len(win) and win["global_norm"].notna().any():
-            ax.scatter(win["step"], win["global_norm"], s=4, color="tab:cyan", alpha=0.6, zorder=2,
+            pts = win[["step", "global_norm"]].drop_duplicates("step")
+            if len(pts) > 20000:  # a long run with many incidents: the largest per bucket of steps
+                pts = _downsample(pts.sort_values("step"), 20000)
+            ax.scatter(pts["step"], pts["global_norm"], s=4, color="tab:cyan", alpha=0.6, zorder=2,
                        label="grad norm per step (flight recorder)")
         spikes = inc[inc["kind"] == "spike"]
         for action, g in spikes.groupby("action"):
@@ -219,7 +222,8 @@ def _heatmap_rows(run: RunLog, data: Any, top_k: int) -> list:
     """Rows of the heatmap: ranked layers first (the documented ranking), then the worst ratios, then names."""
     from .tables import layer_ranking
 
-    rows = [str(l) for l in layer_ranking(run).index if l in set(data["layer"])][:top_k]
+    present = set(data["layer"].unique())
+    rows = [str(l) for l in layer_ranking(run).index if l in present][:top_k]
     if len(rows) < top_k:
         rest = data[~data["layer"].isin(rows)].groupby("layer")["r"].max().reset_index()
         rest = rest.sort_values(["r", "layer"], ascending=[False, True], kind="stable")
