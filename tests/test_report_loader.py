@@ -319,3 +319,19 @@ def test_fuzz_no_exception_escapes_the_loader_or_the_cli(real_logs, tmp_path, ca
             assert code in (0, 3, 4), (a, code, err)
             assert "Traceback" not in err
     assert seen_problems > 60  # the corruptions were seen and reported
+
+
+def test_cli_lists_problems_with_file_and_line_and_never_tracebacks(tmp_path, capsys):
+    recs = golden_lines()
+    recs[2]["lr"] = "0.1"
+    path = write(tmp_path / "logs", recs[:-1] + ["[]"] + [recs[-1]])
+    assert cli_main(["summary", str(tmp_path / "logs")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 2 log problem(s); the report is made from the rest:" in err
+    assert f"  {path}:3: 'lr' is str '0.1', expected a number: read as unknown" in err
+    assert f"  {path}:17: not an event record (JSON list, expected an object): skipped" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert cli_main(["report", str(tmp_path / "logs"), "-o", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err

@@ -179,7 +179,13 @@ def test_report_of_a_real_guarded_run(run_factory, tmp_path):
     assert len(log.steps) == 8
     ranking = layer_ranking(log)
     assert set(ranking.index) == {"head", "blocks.0.attn.qkv"}
+    # one trigger each: the NaN/Inf layer ranks first (worst ratio), everywhere
+    assert ranking.index[0] == s["top_layer"] == "blocks.0.attn.qkv" and s["spike_layers"] == ["head"]
     assert "backward pass of `blocks.0.attn.qkv`" in "\n".join(next_steps(log))
+    paths = write_report(log, tmp_path / "rep")
+    page = paths["html"].read_text()
+    assert page.count("data:image/png;base64,") == page.count("<img ") >= 2
+    assert "| most problematic layer | blocks.0.attn.qkv |" in paths["postmortem"].read_text()
 
 
 def test_compare_table_from_loaded_runs(golden):

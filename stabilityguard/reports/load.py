@@ -54,6 +54,8 @@ _N_SUMMARY_KNOWN = len(_SUMMARY_KNOWN)
 _WINDOW_FLOATS = ("global_norm", "loss", "lr", "max_ratio", "update_rms")
 #: Values of the ``action`` field of a flight-recorder window entry (schema 1.5).
 WINDOW_ACTIONS = ("accepted", "clip", "skip", "rollback", "raise", "monitor")
+_ACTION_CODES = {a: i for i, a in enumerate(WINDOW_ACTIONS)}
+_INT_ONLY = frozenset((int,))
 _KNOWN_KINDS = frozenset({"run_start", "step_summary", "spike", "nonfinite", "action", "baseline_reset",
                           "calibration", "sharpness", "eos_warning", "run_end", "flight_record"})
 #: Lines (and spike reports) longer than this are reported and skipped.
@@ -529,33 +531,49 @@ class _RunBuilder:
         self.windows_seen.add(key)
         bad = 0
         w = self.win
-        for e in window:
-            if not isinstance(e, dict):
-                bad += 1
-                continue
-            s = e.get("step")
-            if type(s) is not int or not -_INT_MAX <= s < _INT_MAX:
-                bad += 1
-                continue
-            vals = []
-            for k in _WINDOW_FLOATS:
-                v = e.get(k)
-                t = type(v)
-                if t is float or (t is int and -_BIG < v < _BIG):
-                    vals.append(float(v))
-                else:
-                    bad += v is not None
-                    vals.append(_NAN)
-            layer = e.get("max_ratio_layer")
-            action = e.get("action")
-            w["incident_step"].append(incident_step)
-            w["step"].append(s)
-            for k, v in zip(_WINDOW_FLOATS, vals):
-                w[k].append(v)
-            self.win_seg.append(seg)
-            self.win_phase.append(phase)
-            self.win_layer.append(self._code(layer) if type(layer) is str else -1)
-            self.win_action.append(WINDOW_ACTIONS.index(action) if action in WINDOW_ACTIONS else -1)
+        entries = [e for e in window if type(e) is dict]
+        bad += len(window) - len(entries)
+        steps = [e.get("step") for e in entries]
+        if set(map(type, steps)) - _INT_ONLY or (steps and not (-_INT_MAX <= min(steps) and max(steps) < _INT_MAX)):
+            keep = [type(s) is int and -_INT_MAX <= s < _INT_MAX for s in steps]
+            bad += keep.count(False)
+            entries = [e for e, k in zip(entries, keep) if k]
+            steps = [s for s, k in zip(steps, keep) if k]
+        if not entries:
+            if bad:
+                self.bad_window(chk, bad)
+            return
+        # column by column, type-checked by the array constructor (one C call per column)
+        cols = {}
+        for k in _WINDOW_FLOATS:
+            vals = [e.get(k) for e in entries]
+            try:
+                if bool in set(map(type, vals)):
+                    raise TypeError
+                col = array("d", vals)
+            except (TypeError, OverflowError):
+                clean = []
+                for v in vals:
+                    t = type(v)
+                    if t is float or (t is int and -_BIG < v < _BIG):
+                        clean.append(v)
+                    else:
+                        bad += v is not None
+                        clean.append(_NAN)
+                col = array("d", clean)
+            cols[k] = col
+        n = len(entries)
+        w["incident_step"].extend(array("q", [incident_step]) * n)
+        w["step"].extend(array("q", steps))
+        for k in _WINDOW_FLOATS:
+            w[k].extend(cols[k])
+        self.win_seg.extend(array("i", [seg]) * n)
+        self.win_phase.extend(array("b", [phase]) * n)
+        code = self._code
+        self.win_layer.extend(array("i", [code(v) if type(v) is str else -1
+                                          for v in (e.get("max_ratio_layer") for e in entries)]))
+        self.win_action.extend(array("b", [_ACTION_CODES.get(v, -1) if type(v) is str else -1
+                                           for v in (e.get("action") for e in entries)]))
         if bad:
             self.bad_window(chk, bad)
 
@@ -781,9 +799,14 @@ def _log_files(paths: Sequence[PathLike]) -> List[Path]:
     return files
 
 
+_READABLE_VERSIONS: set = {SCHEMA_VERSION}
+
+
 def _version_ok(rec: Dict[str, Any], path: Path, lineno: int, problems: List[Problem]) -> bool:
     """False (reported) for an unreadable version; raises LogFormatError for a newer major version."""
     version = rec.get("schema_version", rec.get("schema", SCHEMA_VERSION))
+    if type(version) is str and version in _READABLE_VERSIONS:
+        return True
     if type(version) not in (str, int, float):
         problems.append(Problem(str(path), lineno, f"unreadable schema_version {_short(version)}: record skipped"))
         return False
@@ -794,6 +817,8 @@ def _version_ok(rec: Dict[str, Any], path: Path, lineno: int, problems: List[Pro
             raise LogFormatError(f"{path}:{lineno}: {exc} to read it") from None
         problems.append(Problem(str(path), lineno, f"{exc}: record skipped"))
         return False
+    if type(version) is str and len(_READABLE_VERSIONS) < 64:
+        _READABLE_VERSIONS.add(version)
     return True
 
 
