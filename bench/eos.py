@@ -10,8 +10,10 @@ Scenarios (no injected faults; every instability below is the optimizer's own):
 Each run: 300 steps, seeds 0 and 1, 1 thread, the guard in telemetry mode (spike_threshold 1e9: nothing
 is skipped except NaN/Inf steps, so the trajectory is the optimizer's own), eos_method="both" with
 eos_check_interval=10 and eos_power_iterations=20 (the defaults), the power method on a fixed probe
-batch (finite-difference HVPs on the GPT: CPU attention has no double backward). The same run without
-the telemetry is timed for the step cost (the trajectories are bit-identical).
+batch (finite-difference HVPs on the GPT: CPU attention has no double backward). A third run is the
+seed's configuration in a plain loop ("secant, plain loop": the seed's arguments only,
+`loss.backward(); optimizer.step()`, so eos_method="auto" runs the secant). The same run without the
+telemetry is timed for the step cost (the trajectories are bit-identical).
 
 Instabilities, from the per-step loss and gradient norm: a step whose loss is non-finite or more than
 1.2x the median of the previous 10 steps (from step 3), or whose gradient norm is more than 5x the
@@ -26,13 +28,16 @@ A second table checks the HVPs: finite differences against double backward (math
 the GPT, on the tanh MLP and on a ReLU MLP, for several finite-difference steps, and the time of one
 product in plain-step units.
 
-Usage: python bench/eos.py [--quick] [--out bench/results/eos]
+Usage: python bench/eos.py [--quick] [--steps N] [--seeds 0 1] [--out bench/results/eos]
+       python bench/eos.py --plain-loop-only --out bench/results/eos   # only the plain-loop configuration
+                                                                     # (-> eos.plain-loop.md; minutes)
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import os
 import statistics
@@ -94,11 +99,16 @@ def make_task(kind: str, seed: int):
     return model, lambda: (x, y), (x, y), lambda m, xx, yy: (m(xx) - yy).pow(2).mean()
 
 
-def run(kind: str, opt_cls: type, lr: float, seed: int, steps: int, telemetry: bool) -> Dict[str, Any]:
+def run(kind: str, opt_cls: type, lr: float, seed: int, steps: int, telemetry: Any) -> Dict[str, Any]:
+    """``telemetry``: False (plain), True (``eos_method="both"`` on a probe batch) or ``"plain-loop"`` (the
+    seed's own arguments, no probe, no closure, ``loss.backward(); optimizer.step()``: "auto" picks the
+    secant)."""
     model, batch, (px, py), loss_fn = make_task(kind, seed)
     sink = ListSink()
     kw: Dict[str, Any] = {}
-    if telemetry:
+    if telemetry == "plain-loop":
+        kw = dict(enable_edge_of_stability=True, eos_check_interval=10, eos_power_iterations=20)
+    elif telemetry:
         kw = dict(enable_edge_of_stability=True, eos_method="both", eos_probe=lambda: loss_fn(model, px, py))
     opt = GuardedOptimizer(opt_cls(model.parameters(), lr=lr), model, log_dir=None, verbose=False,
                            spike_threshold=1e9, log_every=1, sinks=[sink], **kw)
@@ -108,13 +118,18 @@ def run(kind: str, opt_cls: type, lr: float, seed: int, steps: int, telemetry: b
         x, y = batch()
         loss = loss_fn(model, x, y)
         loss.backward()
-        opt.step(loss=loss)
+        if telemetry == "plain-loop":
+            opt.step()
+        else:
+            opt.step(loss=loss)
         opt.zero_grad()
     seconds = time.perf_counter() - t0
     opt.close()
     norms = {e.step: e.global_norm for e in sink.events if isinstance(e, StepSummary)}
     losses = [e.loss for e in sink.events if isinstance(e, StepSummary)]
     checks = [e for e in sink.events if isinstance(e, Sharpness)]
+    if telemetry == "plain-loop":  # scored under their own name: the same estimator, the seed's configuration
+        checks = [dataclasses.replace(e, method="secant, plain loop") for e in checks]
     return {"seconds": seconds, "losses": losses, "norms": [norms.get(s) for s in range(steps)], "checks": checks,
             "warnings": [e for e in sink.events if isinstance(e, EosWarning)]}
 
@@ -227,13 +242,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--quick", action="store_true", help="one seed, 150 steps")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.csv")
     ap.add_argument("--adam-early", action="store_true", help="only the early-Adam check (seconds)")
+    ap.add_argument("--plain-loop-only", action="store_true",
+                    help="only the seed's plain-loop configuration (eos_method='auto' without probe or closure: the "
+                         "secant) against the plain run; minutes, not the full run's tens of minutes")
+    ap.add_argument("--steps", type=int, help="steps per run (default 300, --quick 150)")
+    ap.add_argument("--seeds", type=int, nargs="*", help="seeds (default 0 1, --quick 0)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.adam_early:
         print(adam_early_checks())
         return
-    seeds = (0,) if args.quick else (0, 1)
-    steps = 150 if args.quick else 300
+    seeds = tuple(args.seeds) if args.seeds else ((0,) if args.quick else (0, 1))
+    steps = args.steps or (150 if args.quick else 300)
+    if args.plain_loop_only:
+        plain_loop_main(seeds, steps, args.out)
+        return
     per_run: List[Dict[str, Any]] = []
     totals: Dict[Tuple[str, str, float], Dict[str, Any]] = {}
     cost: Dict[Tuple[str, str], List[float]] = {}
@@ -245,10 +268,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             for seed in seeds:
                 plain = run(kind, opt_cls, lr, seed, steps, telemetry=False)
                 tele = run(kind, opt_cls, lr, seed, steps, telemetry=True)
+                loop = run(kind, opt_cls, lr, seed, steps, telemetry="plain-loop")
                 step_s = plain["seconds"] / steps
                 spikes = instabilities(plain["losses"], plain["norms"])
                 by_method: Dict[str, List[Sharpness]] = {}
-                for c in tele["checks"]:
+                for c in tele["checks"] + loop["checks"]:
                     by_method.setdefault(c.method, []).append(c)
                 power_at = {c.step: c.ratio for c in by_method.get("power", [])}
                 for c in by_method.get("secant", []):  # the secant at s+1 measures the update taken at s
@@ -289,6 +313,56 @@ def main(argv: Optional[List[str]] = None) -> None:
             for (scen, method, level), t in sorted(totals.items()):
                 w.writerow([scen, method, level, t["warnings"], t["true_warnings"], t["spikes"], t["caught"],
                             statistics.median(t["leads"]) if t["leads"] else "", t["base_hits"], t["checks"]])
+
+
+def plain_loop_main(seeds: Tuple[int, ...], steps: int, out: Optional[str]) -> None:
+    """The seed's configuration in a plain loop, scored like the full run (the trajectory is the plain run's,
+    so its checks equal the full run's secant rows)."""
+    totals: Dict[Tuple[str, str, float], Dict[str, Any]] = {}
+    per_run = []
+    for scen, (kind, opt_cls, lrs) in SCENARIOS.items():
+        for lr in lrs:
+            for seed in seeds:
+                plain = run(kind, opt_cls, lr, seed, steps, telemetry=False)
+                loop = run(kind, opt_cls, lr, seed, steps, telemetry="plain-loop")
+                spikes = instabilities(plain["losses"], plain["norms"])
+                ratios = [c.ratio for c in loop["checks"]]
+                finite = [r for r in ratios if r is not None and math.isfinite(r)]
+                per_run.append({"scenario": scen, "lr": lr, "seed": seed, "spikes": spikes,
+                                "max_ratio": max(finite) if finite else None,
+                                "overhead_x": loop["seconds"] / plain["seconds"]})
+                for level in LEVELS:
+                    sc = score([c.step for c in loop["checks"]], ratios, spikes, level)
+                    tot = totals.setdefault((scen, "secant, plain loop", level),
+                                            {k: 0 for k in sc if k != "leads"} | {"leads": []})
+                    for k, v in sc.items():
+                        tot[k] = tot[k] + v
+                print(f"{scen} lr={lr:g} seed={seed}: instabilities at {spikes[:8]}; max ratio {_f(per_run[-1]['max_ratio'])}; "
+                      f"run time x{per_run[-1]['overhead_x']:.2f}", flush=True)
+    lines = [f"# Edge-of-stability telemetry in a plain loop: measured ({steps} steps, seeds {list(seeds)}, "
+             f"horizon {HORIZON} steps)", "",
+             f"`python bench/eos.py --plain-loop-only` on {os.cpu_count()} CPU cores, torch {torch.__version__}, 1 "
+             "thread. The seed's configuration, as written: `GuardedOptimizer(base_opt, model, "
+             "enable_edge_of_stability=True, eos_check_interval=10, eos_power_iterations=20)` and "
+             "`loss.backward(); optimizer.step()` (no probe, no closure: eos_method='auto' runs the secant). "
+             "Instabilities come from this run's own plain trajectories; where they differ from those of the "
+             "full run (eos.md), compare each precision with its own base rate.", "",
+             "| scenario | lr | seed | instabilities (first steps) | max ratio | run time vs plain |", "|---|---|---|---|---|---|"]
+    for r in per_run:
+        sp = ", ".join(map(str, r["spikes"][:6])) + (" ..." if len(r["spikes"]) > 6 else "")
+        lines.append(f"| {r['scenario']} | {r['lr']:g} | {r['seed']} | {len(r['spikes'])}: {sp or '-'} | "
+                     f"{_f(r['max_ratio'])} | {r['overhead_x']:.2f}x |")
+    lines += ["", "| scenario | method | level | warnings | precision | base rate | recall | median lead (steps) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for (scen, method, level), t in sorted(totals.items()):
+        lead = f"{statistics.median(t['leads']):.0f}" if t["leads"] else "-"
+        lines.append(f"| {scen} | {method} | {level:g} | {t['warnings']} | {_pct(t['true_warnings'], t['warnings'])} | "
+                     f"{_pct(t['base_hits'], t['checks'])} | {_pct(t['caught'], t['spikes'])} | {lead} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if out:
+        with open(out + ".plain-loop.md", "w", encoding="utf-8") as f:
+            f.write(md)
 
 
 def _pct(a: int, b: int) -> str:

@@ -1,5 +1,16 @@
 """What the guard does about an unsafe step: skip it, roll back to a snapshot, or raise.
 
+"The step never happened" covers what this guard owns:
+
+* its parameters (those of its optimizer's parameter groups, nothing of another optimizer that shares
+  the model) and their optimizer state;
+* the buffers of the modules it owns (a module owns a buffer when it, or the nearest enclosing module
+  with parameters, holds a parameter of this optimizer): BatchNorm running statistics written by the
+  forward pass of a refused step are put back as they were before that forward pass.
+
+Not restored: the RNG state, the data loader's position, anything outside the model (a loss scaler's
+scale is GradScaler's business), and buffers that the model replaces by new tensor objects.
+
 ``skip`` never calls the wrapped optimizer's ``step()``, so weights and optimizer state stay
 bit-identical (multiplying an update by zero would not: 0 * NaN = NaN). ``rollback`` restores a snapshot
 taken after an earlier accepted step by copying into the live tensors in place.
@@ -9,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,23 +32,112 @@ def skip_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-class RollbackManager:
-    """Keeps one clean snapshot of model and optimizer state and restores it bit-identically.
+def owned_buffers(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
+    """The named buffers of the modules that own ``params`` (see the module docstring), model order.
 
-    The snapshot holds a copy of every parameter and buffer of ``model`` (or of the optimizer's
-    parameters when ``model`` is None) and every tensor in ``optimizer.state``, on ``device``. Memory: the
-    model's size plus the optimizer state's (about 3x the parameters for Adam/AdamW). Hyperparameters in
-    ``param_groups`` (the LR an LR scheduler set) are *not* restored, so schedules continue undisturbed.
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        >>> [n for n, _ in owned_buffers(m, list(m[1].parameters()))]
+        ['1.running_mean', '1.running_var', '1.num_batches_tracked']
+    """
+    if model is None:
+        return []
+    mine = {id(p) for p in params}
+    out: List[Tuple[str, torch.Tensor]] = []
+    seen = set()
+
+    def visit(module: torch.nn.Module, prefix: str, owner_has: Optional[bool]) -> None:
+        direct = list(module.parameters(recurse=False))
+        if direct:
+            owner_has = any(id(p) in mine for p in direct)
+        elif owner_has is None and not any(True for _ in module.parameters()):
+            owner_has = None  # no parameters here or below: decided by an ancestor
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is None or id(buf) in seen:
+                continue
+            owned = owner_has if owner_has is not None else bool(mine)
+            if owned:
+                seen.add(id(buf))
+                out.append((prefix + name, buf))
+        for cname, child in module.named_children():
+            visit(child, f"{prefix}{cname}.", owner_has)
+
+    visit(model, "", None)
+    return out
+
+
+class BufferGuard:
+    """Keeps the module buffers of the last accepted state and puts them back when a step is refused.
+
+    After every step the guard calls :meth:`mark`: the buffers of modules where any buffer's
+    ``_version`` moved since the last mark are copied into a preallocated backup with one
+    ``_foreach_copy_``; other modules cost one attribute read per buffer. A module counts as a whole
+    because kernels may write a buffer without moving its version counter: BatchNorm's running mean and
+    variance are written inside the kernel, only ``num_batches_tracked`` moves. :meth:`restore` copies
+    back the modules changed since the mark. No host sync.
 
     Args:
-        model: The model whose parameters and buffers are restored.
+        groups: The buffers to guard, one list per module.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2); guard = BufferGuard([[b for _, b in bn.named_buffers()]])
+        >>> _ = bn(torch.randn(4, 2)); guard.restore()
+        3
+        >>> float(bn.running_mean.abs().sum())
+        0.0
+    """
+
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.groups = [list(g) for g in groups if g]
+        self.backup = [[b.detach().clone() for b in g] for g in self.groups]
+        self.versions = [[b._version for b in g] for g in self.groups]
+
+    def _changed(self) -> List[int]:
+        return [i for i, (g, vs) in enumerate(zip(self.groups, self.versions))
+                if any(b._version != v for b, v in zip(g, vs))]
+
+    def _copy(self, dst: List[List[torch.Tensor]], src: List[List[torch.Tensor]], idx: List[int]) -> None:
+        torch._foreach_copy_([t for i in idx for t in dst[i]], [t for i in idx for t in src[i]])
+        for i in idx:
+            self.versions[i] = [b._version for b in self.groups[i]]
+
+    @torch.no_grad()
+    def mark(self) -> None:
+        """Record the current buffers as the state to return to."""
+        idx = self._changed()
+        if idx:
+            self._copy(self.backup, self.groups, idx)
+
+    @torch.no_grad()
+    def restore(self) -> int:
+        """Put back the buffers of every module changed since :meth:`mark`; returns how many buffers."""
+        idx = self._changed()
+        if idx:
+            self._copy(self.groups, self.backup, idx)
+        return sum(len(self.groups[i]) for i in idx)
+
+
+class RollbackManager:
+    """Keeps one clean snapshot of this guard's parameters, buffers and optimizer state.
+
+    The snapshot holds a copy of every parameter of the optimizer, every buffer of the modules it owns
+    (:func:`owned_buffers`) and every tensor in ``optimizer.state`` for those parameters, on ``device``,
+    keyed by name, so a parameter group added later (or another optimizer over the same model) never
+    confuses it. Memory: the parameters' size plus the optimizer state's (about 3x the parameters for
+    Adam/AdamW). Hyperparameters in ``param_groups`` (the LR an LR scheduler set) are *not* restored, so
+    schedules continue undisturbed. :meth:`state_dict` carries the snapshot and its schedule, so a resumed
+    run rolls back exactly where an uninterrupted one would.
+
+    Args:
+        named: ``(name, tensor)`` pairs to snapshot: the parameters, then the owned buffers.
         optimizer: The wrapped optimizer whose ``state`` is restored.
         interval: Take a snapshot every ``interval`` accepted steps.
         device: Where snapshots live.
 
     Example:
         >>> m = torch.nn.Linear(2, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        >>> rb = RollbackManager(m, opt, interval=10, device="cpu"); rb.snapshot(0)
+        >>> rb = RollbackManager(list(m.named_parameters()), opt, interval=10, device="cpu")
+        >>> rb.snapshot(0)
         >>> with torch.no_grad(): _ = m.weight.add_(1.0)
         >>> rb.restore()
         0
@@ -45,31 +145,24 @@ class RollbackManager:
 
     def __init__(
         self,
-        model: Optional[torch.nn.Module],
+        named: Sequence[Tuple[str, torch.Tensor]],
         optimizer: torch.optim.Optimizer,
         *,
         interval: int,
         device: str,
     ) -> None:
-        self.model = model
         self.optimizer = optimizer
         self.interval = int(interval)
         self.device = torch.device(device)
         self.snapshot_step: Optional[int] = None
-        self._tensors: List[torch.Tensor] = []
-        self._opt_state: Dict[torch.Tensor, Dict[str, Any]] = {}  # param -> key -> (copy, device)
+        self.named: List[Tuple[str, torch.Tensor]] = list(named)
+        self._tensors: Dict[str, torch.Tensor] = {}
+        self._opt_state: Dict[str, Dict[str, Any]] = {}  # param name -> key -> (copy, device)
         self._accepted_since = 0
 
-    def _live_tensors(self) -> List[torch.Tensor]:
-        if self.model is not None:
-            seen = set()
-            out = []
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
-            return out
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+    def track(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        """Follow a new set of tensors (after ``add_param_group``); the next snapshot covers them."""
+        self.named = list(named)
 
     def _copy(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -79,10 +172,11 @@ class RollbackManager:
     @torch.no_grad()
     def snapshot(self, step: int) -> None:
         """Copy the current state; ``step`` is the guard step whose starting state this is."""
-        self._tensors = [self._copy(t) for t in self._live_tensors()]
+        state = self.optimizer.state
+        self._tensors = {n: self._copy(t) for n, t in self.named}
         self._opt_state = {
-            p: {k: (self._copy(v), v.device if isinstance(v, torch.Tensor) else None) for k, v in st.items()}
-            for p, st in self.optimizer.state.items()
+            n: {k: (self._copy(v), v.device if isinstance(v, torch.Tensor) else None) for k, v in state[t].items()}
+            for n, t in self.named if t in state
         }
         self.snapshot_step = step
         self._accepted_since = 0
@@ -97,24 +191,24 @@ class RollbackManager:
     def restore(self) -> int:
         """Copy the snapshot back into the live tensors; returns the snapshot's step.
 
+        Tensors that did not exist at the snapshot (a parameter group added since) keep their values and
+        lose their optimizer state, as if they had just been added.
+
         Raises:
             RuntimeError: If no snapshot was taken.
         """
         if self.snapshot_step is None:
             raise RuntimeError("RollbackManager.restore() called before any snapshot was taken")
-        live = self._live_tensors()
-        if len(live) != len(self._tensors):
-            raise RuntimeError(
-                f"cannot roll back: the model has {len(live)} parameters/buffers, "
-                f"the snapshot {len(self._tensors)}"
-            )
-        for dst, src in zip(live, self._tensors):
-            dst.copy_(src)
         state = self.optimizer.state
-        for p in [p for p in state if p not in self._opt_state]:
-            del state[p]
-        for p, saved in self._opt_state.items():
-            cur = state[p]
+        for name, live in self.named:
+            src = self._tensors.get(name)
+            if src is not None and src.shape == live.shape:
+                live.copy_(src)
+            saved = self._opt_state.get(name)
+            if saved is None:
+                state.pop(live, None)
+                continue
+            cur = state[live]
             for k in [k for k in cur if k not in saved]:
                 del cur[k]
             for k, (v, device) in saved.items():
@@ -131,8 +225,42 @@ class RollbackManager:
 
     def memory_bytes(self) -> int:
         """Bytes held by the current snapshot."""
-        total = sum(t.numel() * t.element_size() for t in self._tensors)
+        total = sum(t.numel() * t.element_size() for t in self._tensors.values())
         for st in self._opt_state.values():
             total += sum(v.numel() * v.element_size() for v, _ in st.values() if isinstance(v, torch.Tensor))
         return total
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The snapshot (tensors on ``device``) and its schedule; loadable with ``weights_only=True``."""
+        return {
+            "snapshot_step": self.snapshot_step,
+            "accepted_since": self._accepted_since,
+            "tensors": dict(self._tensors),
+            "opt_state": {n: {k: v for k, (v, _) in st.items()} for n, st in self._opt_state.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a missing snapshot is taken from the current state."""
+        self._accepted_since = int(state.get("accepted_since", 0))
+        step = state.get("snapshot_step")
+        tensors = state.get("tensors")
+        if step is None or tensors is None:
+            return
+        live = dict(self.named)
+        self._tensors = {n: t.to(self.device, copy=True) for n, t in tensors.items() if n in live}
+        self._opt_state = {}
+        opt_state = self.optimizer.state
+        for n, st in (state.get("opt_state") or {}).items():
+            if n not in live:
+                continue
+            ref = live[n]
+            cur = opt_state.get(ref, {})
+            entry = {}
+            for k, v in st.items():
+                device = None
+                if isinstance(v, torch.Tensor):  # where the live state keeps it (Adam's step: CPU)
+                    old = cur.get(k)
+                    device = old.device if isinstance(old, torch.Tensor) else (ref.device if v.dim() else torch.device("cpu"))
+                entry[k] = (self._copy(v), device)
+            self._opt_state[n] = entry
+        self.snapshot_step = int(step)

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Union
 from .errors import ConfigError
 
 #: The values ``nan_action`` accepts.
-NAN_ACTIONS = ("skip", "rollback", "raise")
+NAN_ACTIONS = ("skip", "rollback", "raise", "monitor")
 
 #: The values ``spam_reset_scope`` accepts.
 SPAM_SCOPES = ("spiked", "all")
@@ -20,7 +20,7 @@ SPAM_SCOPES = ("spiked", "all")
 LOG_RANKS = ("zero", "all")
 
 #: The values ``eos_method`` accepts.
-EOS_METHODS = ("power", "secant", "both")
+EOS_METHODS = ("auto", "power", "secant", "both")
 
 #: The values ``eos_hvp`` accepts.
 EOS_HVP_MODES = ("auto", "autograd", "finite_difference")
@@ -43,7 +43,9 @@ class GuardConfig:
     """A layer spikes when its gradient norm divided by its EMA baseline exceeds this (must be > 1)."""
 
     nan_action: str = "skip"
-    """What to do on a spike or NaN/Inf gradient: ``"skip"``, ``"rollback"`` or ``"raise"``."""
+    """What to do on a spike or NaN/Inf gradient: ``"skip"``, ``"rollback"``, ``"raise"`` or ``"monitor"``
+    (observe only: detect, record and report everything, never intervene; the events say which steps
+    would have been refused)."""
 
     log_every: int = 50
     """Steps between compact step-summary events (and console summary lines)."""
@@ -68,6 +70,35 @@ class GuardConfig:
     that layer's baseline is reset to the current norm, the step is accepted (if no other layer spikes)
     and a ``baseline_reset`` event is emitted. Bursts shorter than this are still skipped.
     """
+
+    graded_response: bool = True
+    """Scale outliers back instead of ignoring them (see ``stabilityguard.policy``): a layer whose ratio is
+    over ``outlier_ratio`` (but not over ``spike_threshold``), a global norm over ``outlier_ratio`` times
+    its baseline, or a loss over ``loss_z_threshold`` robust standard deviations is taken but scaled
+    back. ``False`` gives the seed's behaviour: only critical spikes and NaN/Inf act."""
+
+    outlier_ratio: float = 3.0
+    """Ratio to the baseline above which a layer (or the global norm) is scaled back to this many times
+    its baseline (> 1). At or above ``spike_threshold`` no layer is ever scaled back (it is refused
+    first); the global-norm and loss rules still apply."""
+
+    loss_z_threshold: Optional[float] = 6.0
+    """Robust z-score (median/MAD over ``loss_window`` accepted losses) above which the loss handed to
+    ``step(loss=...)`` is an outlier; the step's gradients are scaled by ``loss_z_threshold / z``.
+    ``None``: the loss is not used for decisions."""
+
+    loss_window: int = 128
+    """Accepted losses in the loss signal's window (>= 20)."""
+
+    level_shift_steps: int = 6
+    """Consecutive critical spikes of one layer, with consistent ratios (see ``level_shift_spread``),
+    after which its new level is accepted. Runs of bad batches shorter than this are always refused."""
+
+    level_shift_spread: float = 2.0
+    """Largest / smallest ratio of a run of spikes that still counts as a consistent level shift (>= 1)."""
+
+    flight_recorder_steps: int = 64
+    """Steps of per-step numbers (global norm, loss, LR, max ratio, action) attached to every incident."""
 
     rollback_interval: int = 100
     """With ``nan_action="rollback"``: accepted steps between snapshots of model and optimizer state."""
@@ -101,6 +132,12 @@ class GuardConfig:
     """Which tensors ``enable_spam`` resets: ``"spiked"`` (the layers over the threshold or non-finite) or
     ``"all"``."""
 
+    spam_warmup_steps: int = 20
+    """With ``enable_spam``: accepted steps over which the update of the reset tensors grows back from the
+    pre-spike size to the optimizer's own (>= 0; 0 = no warm-up). The first update after a reset is scaled
+    so that its RMS is at most that of the last update before the spike (see
+    ``stabilityguard.features.spam``)."""
+
     enable_auto_calibration: bool = False
     """Learn one threshold per layer from the run itself (see ``stabilityguard.features.calibration``):
     during ``auto_calibration_warmup_steps`` accepted steps only NaN/Inf is caught, then each layer's
@@ -133,9 +170,11 @@ class GuardConfig:
     """Most Hessian-vector products of one power-iteration check (>= 1; warm-started, stops early at
     0.1 % change)."""
 
-    eos_method: str = "power"
-    """``"power"`` (power iteration with HVPs on ``eos_probe`` or the step's closure), ``"secant"``
-    (curvature along the update from consecutive gradients: no extra passes) or ``"both"``."""
+    eos_method: str = "auto"
+    """``"auto"`` (the power method when ``eos_probe`` is given or ``step()`` gets a closure, else the
+    secant: works in a plain ``loss.backward(); optimizer.step()`` loop), ``"power"`` (power iteration
+    with HVPs on ``eos_probe`` or the step's closure), ``"secant"`` (curvature along the update from
+    consecutive gradients: no extra passes) or ``"both"``."""
 
     eos_hvp: str = "auto"
     """How the power method gets Hessian-vector products: ``"auto"`` (double backward, finite
@@ -156,6 +195,7 @@ class GuardConfig:
     """Identifier written in every event; generated from the time and a random suffix when ``None``."""
 
     def __post_init__(self) -> None:
+        _coerce_native(self)
         _check_number("spike_threshold", self.spike_threshold, low=1.0, low_inclusive=False)
         if self.nan_action not in NAN_ACTIONS:
             raise ConfigError(
@@ -172,6 +212,15 @@ class GuardConfig:
         if not isinstance(self.verbose, bool):
             raise ConfigError(f"verbose must be True or False; got {self.verbose!r}")
         _check_int("level_shift_patience", self.level_shift_patience, low=1)
+        if not isinstance(self.graded_response, bool):
+            raise ConfigError(f"graded_response must be True or False; got {self.graded_response!r}")
+        _check_number("outlier_ratio", self.outlier_ratio, low=1.0, low_inclusive=False)
+        if self.loss_z_threshold is not None:
+            _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False)
+        _check_int("loss_window", self.loss_window, low=20)
+        _check_int("level_shift_steps", self.level_shift_steps, low=1)
+        _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
+        _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1)
         _check_int("rollback_interval", self.rollback_interval, low=1)
         if not isinstance(self.snapshot_device, str):
             raise ConfigError(
@@ -193,6 +242,8 @@ class GuardConfig:
             raise ConfigError(f"enable_spam must be True or False; got {self.enable_spam!r}")
         _check_number("spam_lr_reduction", self.spam_lr_reduction, low=0.0, low_inclusive=False, high=1.0)
         _check_int("spam_recovery_steps", self.spam_recovery_steps, low=1)
+        _check_int("spam_warmup_steps", self.spam_warmup_steps, low=0)
+        object.__setattr__(self, "spam_warmup_steps", int(self.spam_warmup_steps))  # numpy ints -> JSON-native
         if self.spam_reset_scope not in SPAM_SCOPES:
             raise ConfigError(
                 f"spam_reset_scope must be one of {', '.join(repr(a) for a in SPAM_SCOPES)}; "
@@ -238,6 +289,26 @@ class GuardConfig:
     def field_names(cls) -> tuple:
         """Names of all fields, in declaration order."""
         return tuple(f.name for f in fields(cls))
+
+
+def _native(value: Any) -> Any:
+    """A numpy or tensor scalar as the plain Python number (or bool) it holds; anything else unchanged."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()  # np.float32(10.0) -> 10.0, np.bool_(True) -> True
+    if type(value).__name__ == "Tensor" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
+
+
+def _coerce_native(cfg: Any) -> None:
+    """Store numpy/tensor scalars as plain Python values so every sink can serialise the config."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        native = _native(value)
+        if native is not value:
+            object.__setattr__(cfg, f.name, native)
 
 
 def _check_number(

@@ -6,7 +6,7 @@ catch all of them with one ``except`` clause.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 class StabilityGuardError(Exception):
@@ -70,3 +70,14 @@ class GradientSpikeError(StabilityGuardError, RuntimeError):
         self.layer_norms = dict(layer_norms or {})
         self.baselines = dict(baselines or {})
         self.nan_layers = list(nan_layers or [])
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # Keyword-only fields: rebuild through a helper so the error survives pickling (multiprocessing).
+        return (_rebuild_spike_error, (str(self), self.__dict__.copy()))
+
+
+def _rebuild_spike_error(message: str, fields: Dict[str, Any]) -> GradientSpikeError:
+    err = GradientSpikeError.__new__(GradientSpikeError)
+    StabilityGuardError.__init__(err, message)
+    err.__dict__.update(fields)
+    return err

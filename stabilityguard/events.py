@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
-SCHEMA_VERSION = "1.4"
+SCHEMA_VERSION = "1.5"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 
@@ -44,6 +44,7 @@ class EventKind(str, Enum):
     CALIBRATION = "calibration"
     SHARPNESS = "sharpness"
     EOS_WARNING = "eos_warning"
+    FLIGHT_RECORD = "flight_record"
     RUN_END = "run_end"
 
 
@@ -53,6 +54,8 @@ class Action(str, Enum):
     SKIP = "skip"
     ROLLBACK = "rollback"
     RAISE = "raise"
+    MONITOR = "monitor"  # observe-only: the step was taken, a guarding run would have refused it
+    CLIP = "clip"  # an outlier below the spike threshold: the step was taken, scaled back (schema 1.5)
 
 
 def json_float(value: Any) -> Optional[float]:
@@ -131,8 +134,12 @@ class RunStart(GuardEvent):
 class StepSummary(GuardEvent):
     """Compact summary written every ``log_every`` steps.
 
-    ``max_ratio``/``max_ratio_layer`` are the largest layer ratio seen since the previous summary; the
-    counters are totals since the start of the run. With ``enable_helene`` (schema 1.3),
+    ``global_norm``, ``loss`` and ``lr`` are this step's values. Aggregates over the ``window_steps``
+    steps since the previous summary (schema 1.5): ``global_norm_mean``/``_max``, ``loss_mean``/``_max``,
+    ``max_ratio``/``max_ratio_layer`` (the largest layer ratio of the *accepted* steps) and
+    ``refused_max_ratio``/``refused_max_ratio_layer`` (of the refused ones). The counters are totals
+    since the start of the run (``clipped``: steps scaled back; ``would_refuse``: steps monitor mode
+    would have refused). With ``enable_helene`` (schema 1.3),
     ``post_clip_global_norm`` is the norm after the per-layer clip of this step and ``clipped_layers`` how
     many layers it scaled down (``global_norm`` stays the pre-clip norm).
     """
@@ -151,6 +158,15 @@ class StepSummary(GuardEvent):
     rollbacks: int = 0
     post_clip_global_norm: Optional[float] = None
     clipped_layers: Optional[int] = None
+    window_steps: int = 0
+    global_norm_mean: Optional[float] = None
+    global_norm_max: Optional[float] = None
+    loss_mean: Optional[float] = None
+    loss_max: Optional[float] = None
+    refused_max_ratio: Optional[float] = None
+    refused_max_ratio_layer: Optional[str] = None
+    clipped: int = 0
+    would_refuse: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +186,9 @@ class Spike(GuardEvent):
         layer_norms: Norm of every layer and parameter (``null`` for NaN/Inf).
         ema_baselines: Baseline of every layer and parameter before this step (``null`` before warm-up).
         nan_layers: Layers with NaN/Inf gradients (empty for a finite spike).
+        window: The flight recorder's last steps up to this one (schema 1.5), oldest first: dicts with
+            ``step``, ``global_norm``, ``loss``, ``lr``, ``max_ratio``, ``max_ratio_layer``, ``action``.
+        origin_ranks: Under DDP, the ranks whose local gradients were non-finite (``null``: unknown).
     """
 
     kind: ClassVar[EventKind] = EventKind.SPIKE
@@ -185,6 +204,8 @@ class Spike(GuardEvent):
     layer_norms: Dict[str, Optional[float]] = field(default_factory=dict)
     ema_baselines: Dict[str, Optional[float]] = field(default_factory=dict)
     nan_layers: List[str] = field(default_factory=list)
+    window: List[Dict[str, Any]] = field(default_factory=list)
+    origin_ranks: Optional[List[int]] = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +233,9 @@ class ActionTaken(GuardEvent):
             that many accepted updates had been applied).
         momentum_reset: With ``enable_spam``: how many tensors had their optimizer state reset (schema 1.1).
         lr_factor: With ``enable_spam``: the LR multiplier now in force, recovering to 1 (schema 1.1).
+        clipped_layers: For ``clip`` (schema 1.5): each scaled layer with its factor (< 1).
+        clip_reasons: For ``clip``: what was an outlier, any of ``layer``, ``global``, ``loss``.
+        loss_z: For ``clip``: the loss's robust z-score against its window (``null`` if unknown).
     """
 
     kind: ClassVar[EventKind] = EventKind.ACTION
@@ -221,6 +245,9 @@ class ActionTaken(GuardEvent):
     rollback_to_step: Optional[int] = None
     momentum_reset: Optional[int] = None
     lr_factor: Optional[float] = None
+    clipped_layers: Dict[str, float] = field(default_factory=dict)
+    clip_reasons: List[str] = field(default_factory=list)
+    loss_z: Optional[float] = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +319,16 @@ class EosWarning(GuardEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FlightRecord(GuardEvent):
+    """The steps that followed an incident (schema 1.5): the flight recorder's rows after
+    ``incident_step``, written once they are recorded (or at run end)."""
+
+    kind: ClassVar[EventKind] = EventKind.FLIGHT_RECORD
+    incident_step: int = 0
+    window: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunEnd(GuardEvent):
     """The guard was closed: totals of the run."""
 
@@ -302,11 +339,13 @@ class RunEnd(GuardEvent):
     skipped: int = 0
     rollbacks: int = 0
     baseline_resets: int = 0
+    clipped: int = 0
+    would_refuse: int = 0
     final_loss: Optional[float] = None
 
 
 _KINDS: Dict[str, Type[GuardEvent]] = {
     cls.kind.value: cls
     for cls in (RunStart, StepSummary, Spike, NonFinite, ActionTaken, BaselineReset, Calibration, Sharpness,
-                EosWarning, RunEnd)
+                EosWarning, FlightRecord, RunEnd)
 }

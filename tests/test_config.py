@@ -14,7 +14,7 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
         ({"spike_threshold": 0.5}, r"spike_threshold must be a finite number > 1; got 0.5"),
         ({"spike_threshold": float("nan")}, r"spike_threshold must be .*got nan"),
         ({"spike_threshold": "10"}, r"spike_threshold must be .*got '10'"),
-        ({"nan_action": "skp"}, r"nan_action must be one of 'skip', 'rollback', 'raise'; got 'skp'"),
+        ({"nan_action": "skp"}, r"nan_action must be one of 'skip', 'rollback', 'raise', 'monitor'; got 'skp'"),
         ({"log_every": 0}, r"log_every must be an integer >= 1; got 0"),
         ({"log_every": 2.5}, r"log_every must be an integer >= 1; got 2.5"),
         ({"ema_alpha": 0.0}, r"ema_alpha must be a finite number > 0 and <= 1; got 0.0"),

@@ -121,7 +121,7 @@ def _train(tmp_path, steps=25, closure=False, model_kind="bn", **eos):
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps)]
     px, py = data[0]
-    if eos.get("enable_edge_of_stability") and eos.get("eos_method", "power") != "secant" and not closure:
+    if eos.get("enable_edge_of_stability") and eos.get("eos_method", "auto") != "secant" and not closure:
         eos.setdefault("eos_probe", lambda: (model(px) - py).pow(2).mean())
     opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, log_dir=tmp_path,
                            verbose=False, log_every=1, **eos)
@@ -142,7 +142,7 @@ def _train(tmp_path, steps=25, closure=False, model_kind="bn", **eos):
     return model, opt
 
 
-@pytest.mark.parametrize("method", ["power", "secant", "both"])
+@pytest.mark.parametrize("method", ["auto", "power", "secant", "both"])
 def test_checks_leave_the_training_trajectory_bit_identical(tmp_path, method):
     plain, _ = _train(tmp_path / "plain")
     watched, opt = _train(tmp_path / "eos", enable_edge_of_stability=True, eos_method=method, eos_check_interval=5)
@@ -151,7 +151,7 @@ def test_checks_leave_the_training_trajectory_bit_identical(tmp_path, method):
     norms = [e["global_norm"] for e in _events(tmp_path / "plain", "step_summary")]
     assert norms == [e["global_norm"] for e in _events(tmp_path / "eos", "step_summary")]
     checks = _events(tmp_path / "eos", "sharpness")
-    methods = {"power": {"power"}, "secant": {"secant"}, "both": {"power", "secant"}}[method]
+    methods = {"auto": {"power"}, "power": {"power"}, "secant": {"secant"}, "both": {"power", "secant"}}[method]
     assert {e["method"] for e in checks} == methods
     assert all(e["threshold"] == pytest.approx(38.0 / 1e-2) for e in checks)
     if "power" in methods:
@@ -269,9 +269,9 @@ def test_bad_edge_of_stability_arguments_fail_at_construction():
 def test_power_method_without_a_loss_fails_at_the_first_step():
     m = torch.nn.Linear(2, 1)
     opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
-                           enable_edge_of_stability=True)
+                           enable_edge_of_stability=True, eos_method="power")
     m(torch.randn(4, 2)).sum().backward()
-    with pytest.raises(ConfigError, match="eos_probe=.*step\\(closure\\).*eos_method='secant'"):
+    with pytest.raises(ConfigError, match="eos_method='power' needs a loss.*eos_probe=.*step\\(closure\\).*'secant' or 'auto'"):
         opt.step()
     secant = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
                               enable_edge_of_stability=True, eos_method="secant")
@@ -346,3 +346,82 @@ def test_no_check_while_a_learning_rate_is_zero(tmp_path):
     # (d = 0, nothing to measure); it holds again at step 3 and measures at step 4.
     assert checks == [(1, "power"), (4, "secant"), (4, "power")]
     assert all(e["lr"] > 0 for e in _events(tmp_path, "sharpness"))
+
+
+# ----------------------------------------------------------------------------- eos_method="auto" (the default)
+
+@pytest.mark.parametrize("opt_name", ["AdamW", "SGD"])
+def test_the_seeds_example_runs_as_written_in_a_plain_loop(tmp_path, monkeypatch, caplog, opt_name):
+    monkeypatch.chdir(tmp_path)  # the default log_dir, ./sg_logs
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
+    data = MarkovData(vocab_size=32)
+    if opt_name == "AdamW":
+        base_opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    else:
+        base_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # SEED.md, as written:
+    optimizer = GuardedOptimizer(base_opt, model, enable_edge_of_stability=True,
+                                 eos_check_interval=10, eos_power_iterations=20)
+    with caplog.at_level("INFO", logger="stabilityguard"):
+        for _ in range(60):
+            x, y = data.batch(8, 16)
+            loss = model.loss(x, y)
+            loss.backward(); optimizer.step()  # noqa: E702
+            optimizer.zero_grad()
+    optimizer.close()
+    assert optimizer._eos.describe() == {"eos_method": "auto", "eos_method_resolved": "secant",
+                                         "eos_power_iterations": "unused"}
+    assert caplog.text.count("eos_method='auto' uses the secant estimate") == 1  # said once
+    log = tmp_path / "sg_logs"
+    checks = _events(log, "sharpness")
+    # SGD: held at 0, 10, ... and measured at the next step; Adam: from its 10th update (warmup_steps).
+    expected = [1, 11, 21, 31, 41, 51] if opt_name == "SGD" else [11, 21, 31, 41, 51]
+    assert [e["step"] for e in checks] == expected
+    assert all(e["method"] == "secant" and e["passes"] == 0 and 0 < e["ratio"] < 1 for e in checks)
+    # A stable run: no false spike, nothing skipped, no curvature warning.
+    assert not _events(log, "spike") and not _events(log, "nonfinite") and not _events(log, "eos_warning")
+    assert optimizer.counters.skipped == 0 and optimizer.counters.accepted == 60
+    assert _events(log, "run_start")[0]["config"]["eos_method"] == "auto"
+
+
+def test_auto_uses_the_power_method_with_a_probe_or_a_closure(tmp_path, caplog):
+    model, x, y, _ = _regression()
+    with caplog.at_level("INFO", logger="stabilityguard"):
+        probed = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, verbose=False,
+                                  enable_edge_of_stability=True, eos_probe=lambda: (model(x) - y).pow(2).mean())
+    assert probed._eos.resolved_method == "power"  # known at construction
+    assert probed._eos.describe()["eos_power_iterations"] == 20
+    assert "uses the power method on eos_probe" in caplog.text
+    caplog.clear()
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=tmp_path, verbose=False,
+                           enable_edge_of_stability=True, eos_check_interval=2)
+    assert opt._eos.resolved_method is None and opt._eos.describe()["eos_method_resolved"] is None
+
+    def closure():
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with caplog.at_level("INFO", logger="stabilityguard"):
+        for _ in range(5):
+            opt.step(closure)
+    opt.close()
+    assert opt._eos.resolved_method == "power"
+    assert caplog.text.count("uses the power method on the step's closure") == 1
+    checks = [(e["step"], e["method"]) for e in _events(tmp_path, "sharpness")]
+    assert checks == [(0, "power"), (2, "power"), (4, "power")]
+
+
+def test_eos_method_values_are_validated_with_the_allowed_list():
+    from stabilityguard import GuardConfig
+
+    with pytest.raises(ConfigError, match="eos_method must be one of 'auto', 'power', 'secant', 'both'; got 'Auto'"):
+        GuardConfig(eos_method="Auto")
+    with pytest.raises(ConfigError, match="eos_method must be one of .*; got None"):
+        GuardConfig(eos_method=None)
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigError, match="eos_method must be one of 'auto', 'power', 'secant', 'both'; got 3"):
+        EdgeOfStabilityMonitor(torch.optim.SGD([p], lr=0.1), [p], method=3)
+    assert GuardConfig().eos_method == "auto"

@@ -49,15 +49,30 @@ def test_mlflow_sqlite_script(tmp_path):
 
 
 def test_huggingface_script(tmp_path):
-    out = script("huggingface_trainer")(["--out", str(tmp_path / "hf"), "--steps", "30"])
-    assert out["weights_finite"] and out["counters"].spikes == 1
+    """Preempted run records its refused steps; the run resumed from checkpoint-10 skips them."""
+    out = script("huggingface_trainer")(["--out", str(tmp_path / "hf"), "--steps", "40"])
+    assert out["weights_finite"]
+    first = out["first"]
+    assert (first.steps, first.spikes, first.nonfinite, first.skipped) == (18, 1, 1, 2)
+    records = out["records"]
+    assert [(r["step"], r["reason"]) for r in records] == [(12, "spike"), (14, "nonfinite")]
+    assert 16 in records[0]["sample_indices"] and 175 in records[1]["sample_indices"]  # the bad rows
+    assert [s["global_step"] for s in out["skipped"]] == [12, 14]
+    assert out["counters"].steps == 40  # continued from the checkpoint's guard state (step 10)
     events = [json.loads(x) for f in Path(out["log_dir"]).glob("events-*.jsonl") for x in f.read_text().splitlines()]
-    assert [e["step"] for e in events if e["kind"] == "spike"] == [20]
+    resumed = [e for e in events if e["kind"] in ("spike", "nonfinite") and e["step"] < 18 and e["run_id"] != records[0]["run_id"]]
+    assert resumed == []  # the recorded steps were skipped, not refused again
+    assert all(e["loss"] is not None for e in events if e["kind"] == "spike")
 
 
 def test_lightning_script(tmp_path):
-    out = script("lightning_trainer")(["--out", str(tmp_path / "pl"), "--steps", "40"])
-    assert out["weights_finite"] and out["counters"].nonfinite == 1
+    """The fit stopped by the NaN batch resumes from the epoch-0 checkpoint and skips that batch."""
+    out = script("lightning_trainer")(["--out", str(tmp_path / "pl"), "--steps", "30"])
+    assert out["weights_finite"] and out["first"].nonfinite == 1
+    (record,) = out["records"]
+    assert (record["epoch"], record["batch_index"], record["action"]) == (1, 4, "raise")
+    assert [(s["epoch"], s["batch_index"]) for s in out["skipped"]] == [(1, 4)]
+    assert out["counters"].steps == 30 and out["counters"].nonfinite == 0
 
 
 def test_compare_runs_script(offline):

@@ -112,6 +112,24 @@ class AutoCalibrator:
         if changed:
             self._update_thresholds()
 
+    def remap(self, old_names: Sequence[str], new_names: Sequence[str]) -> None:
+        """Follow a change of the layer list (``add_param_group``) by name: known layers keep what was
+        learned (thresholds, statistics); new layers start at ``max_threshold`` once calibrated, or join
+        the running warm-up."""
+        pos = {n: i for i, n in enumerate(old_names)}
+        fresh_center, fresh_spread = 0.0, math.log(self.max_threshold) / max(self.z, 1.0)
+
+        def pick(values: List[Any], default: Any) -> List[Any]:
+            return [values[pos[n]] if n in pos and pos[n] < len(values) else default for n in new_names]
+
+        self.samples = pick(self.samples, None)
+        self.samples = [s if s is not None else [] for s in self.samples]
+        if self.thresholds is not None:
+            self.center = pick(self.center, fresh_center)
+            self.spread = pick(self.spread, fresh_spread)
+            self._update_thresholds()
+        self.n_layers = len(new_names)
+
     def state_dict(self) -> Dict[str, Any]:
         return {"seen": self.seen, "center": list(self.center), "spread": list(self.spread),
                 "thresholds": None if self.thresholds is None else list(self.thresholds),

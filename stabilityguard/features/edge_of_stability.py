@@ -15,7 +15,16 @@ Parameter groups with different LRs are folded into the operator: the monitor es
 quantity above whenever all groups share one LR, and reports ``ratio = sharpness / threshold``. A ratio
 of 1 is the edge: along the top direction the update overshoots and the loss oscillates or jumps.
 
-Two estimators (``eos_method``):
+Two estimators (``eos_method``), and ``"auto"`` (the default), which picks one:
+
+``"auto"``
+    The power method when it has a loss to differentiate (an ``eos_probe``, or a closure passed to
+    ``step()``), the secant otherwise, so that the feature works in a plain ``loss.backward();
+    optimizer.step()`` loop with no extra argument. With a probe the choice is made at construction;
+    without one, at the first step (a closure there means the power method for the rest of the run).
+    The choice is logged once (``logging.INFO``) and exposed as :attr:`EdgeOfStabilityMonitor.resolved_method`
+    and in :meth:`EdgeOfStabilityMonitor.describe` (where ``eos_power_iterations`` is marked unused when
+    the secant runs). Every ``sharpness`` event also names the method that produced it.
 
 ``"power"``
     Power iteration on the symmetric operator ``S^1/2 H S^1/2`` with Hessian-vector products, warm-started
@@ -158,7 +167,8 @@ class EdgeOfStabilityMonitor:
         model: The model (its buffers are restored after the extra passes); optional.
         interval: ``eos_check_interval``.
         power_iterations: ``eos_power_iterations`` (most Hessian-vector products per check).
-        method: ``"power"``, ``"secant"`` or ``"both"``.
+        method: ``"auto"`` (power with a probe or a closure, else secant), ``"power"``, ``"secant"`` or
+            ``"both"``.
         hvp: ``"auto"`` (double backward, finite differences where that fails), ``"autograd"`` or
             ``"finite_difference"``.
         probe: Callable returning the loss on a fixed batch (no ``backward()`` inside); optional.
@@ -184,7 +194,7 @@ class EdgeOfStabilityMonitor:
         *,
         interval: int = 10,
         power_iterations: int = 20,
-        method: str = "power",
+        method: str = "auto",
         hvp: str = "auto",
         probe: Optional[Callable[[], torch.Tensor]] = None,
         warning_ratio: float = 1.0,
@@ -206,6 +216,12 @@ class EdgeOfStabilityMonitor:
         self.interval = int(interval)
         self.power_iterations = int(power_iterations)
         self.method = method
+        #: The estimator in use: ``"power"``, ``"secant"`` or ``"both"``; ``None`` while ``"auto"`` waits for
+        #: the first step to see whether ``step()`` gets a closure.
+        self.resolved_method: Optional[str] = method if method != "auto" else ("power" if probe is not None else None)
+        if method == "auto" and probe is not None:
+            logger.info("stabilityguard: edge of stability: eos_method='auto' uses the power method on eos_probe "
+                        "(at most %d Hessian-vector products per check)", int(power_iterations))
         self.hvp_mode = hvp
         self.probe = probe
         self.warning_ratio = float(warning_ratio)
@@ -230,6 +246,8 @@ class EdgeOfStabilityMonitor:
         """The checks due at this step, before its update: the secant over the previous update, then the
         power iteration (retried at the next steps while it has nothing to measure). A non-finite step
         measures nothing and drops what the secant held."""
+        if self.resolved_method is None:
+            self._resolve(closure is not None)
         if not finite:
             self._held = None  # frees the copies: the secant pairs a held step only with the next one
             return []
@@ -251,21 +269,50 @@ class EdgeOfStabilityMonitor:
             self.hold(step)
             self.next_hold = step + self.interval
 
+    def _resolve(self, has_closure: bool) -> None:
+        """``"auto"`` without a probe, at the first step: the power method on the closure, or the secant."""
+        if has_closure:
+            self.resolved_method = "power"
+            logger.info("stabilityguard: edge of stability: eos_method='auto' uses the power method on the "
+                        "step's closure (at most %d Hessian-vector products per check)", self.power_iterations)
+        else:
+            self.resolved_method = "secant"
+            logger.info("stabilityguard: edge of stability: eos_method='auto' uses the secant estimate (no "
+                        "eos_probe and no closure: curvature along each update, no extra passes; "
+                        "eos_power_iterations=%d is unused)", self.power_iterations)
+
+    def describe(self) -> Dict[str, Any]:
+        """What the telemetry runs, for the run's records (JSON-native).
+
+        ``eos_method_resolved`` is ``None`` while ``"auto"`` has not seen its first step (no probe: a closure
+        at that step means ``"power"``, none means ``"secant"``); ``eos_power_iterations`` is ``"unused"``
+        when only the secant runs.
+
+        Example:
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> EdgeOfStabilityMonitor(torch.optim.SGD([p], lr=0.1), [p], method="secant").describe()
+            {'eos_method': 'secant', 'eos_method_resolved': 'secant', 'eos_power_iterations': 'unused'}
+        """
+        used = self.resolved_method in (None, "power", "both")
+        return {"eos_method": self.method, "eos_method_resolved": self.resolved_method,
+                "eos_power_iterations": self.power_iterations if used else "unused"}
+
     @property
     def uses_power(self) -> bool:
-        return self.method in ("power", "both")
+        return self.resolved_method in ("power", "both")
 
     @property
     def uses_secant(self) -> bool:
-        return self.method in ("secant", "both")
+        return self.resolved_method in ("secant", "both")
 
     def require_loss(self, has_closure: bool) -> None:
         """Raise if the power method has neither a probe nor a closure to differentiate."""
-        if self.uses_power and self.probe is None and not has_closure:
+        if self.resolved_method in ("power", "both") and self.probe is None and not has_closure:
             raise ConfigError(
-                "enable_edge_of_stability with eos_method='power' needs a loss to differentiate: pass "
+                f"enable_edge_of_stability with eos_method={self.method!r} needs a loss to differentiate: pass "
                 "eos_probe=<callable returning the loss on a fixed batch> to GuardedOptimizer or call "
-                "optimizer.step(closure); eos_method='secant' needs neither (got no eos_probe and no closure)"
+                "optimizer.step(closure); eos_method='secant' or 'auto' needs neither (got no eos_probe and no "
+                "closure)"
             )
 
     # ------------------------------------------------------------------ operator S

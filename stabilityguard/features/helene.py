@@ -51,7 +51,8 @@ class LayerClipper:
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                  layer_of_param: Sequence[int], n_layers: int, *, base_clip: float, refresh_steps: int = 10) -> None:
         betas = [g.get("betas") for g in optimizer.param_groups]
-        if any(b is None for b in betas):
+        if any(b is None for b in betas) or isinstance(optimizer, torch.optim.Adamax):
+            # Adamax has betas but keeps an infinity norm (exp_inf), not second moments: it would never clip.
             raise ConfigError(
                 f"enable_helene needs an Adam-type optimizer (with betas and exp_avg_sq); got {type(optimizer).__name__}"
             )
@@ -133,3 +134,24 @@ class LayerClipper:
             return None
         c = self.thresholds.tolist()
         return [min(g, t) for g, t in zip(layer_norms[: self.n_layers], c)]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Thresholds (on the host), their age and the parameter set they were computed for."""
+        return {
+            "thresholds": None if self.thresholds is None else self.thresholds.detach().cpu(),
+            "age": self._age,
+            "key": None if self._key is None else list(self._key),
+            "clipped_steps": self.clipped_steps,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output, so a resumed run clips exactly as an uninterrupted one."""
+        th = state.get("thresholds")
+        key = state.get("key")
+        if th is not None and key is not None:
+            device = self.params[0].device if self.params else torch.device("cpu")
+            self.thresholds = torch.as_tensor(th).to(device)
+            self._threshold_list = list(self.thresholds.unbind())
+            self._key = tuple(int(k) for k in key)
+        self._age = int(state.get("age", 0))
+        self.clipped_steps = int(state.get("clipped_steps", 0))

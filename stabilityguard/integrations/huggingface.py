@@ -9,16 +9,69 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+import weakref
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from .._optional import require
+from ..config import GuardConfig
 from ..errors import ConfigError
 from ..optimizer import GuardedOptimizer
+from ._records import (
+    RECORDS_FILE,
+    RefusedBatchRecorder,
+    attach_recorder,
+    check_index_key,
+    check_skip_setting,
+    counters_metrics,
+    load_records,
+    matches,
+    join_indices,
+    skip_keys,
+)
 
 logger = logging.getLogger(__name__)
 
 _transformers = require("transformers", extra="hf", feature="stabilityguard.integrations.huggingface")
 TrainerCallback = _transformers.TrainerCallback
+
+#: Key of the guard's state in ``TrainerState.stateful_callbacks`` (saved in ``trainer_state.json``).
+STATE_KEY = "stabilityguard"
+
+# Hooks a callback left on a model (e.g. after a run that ended with an exception): a later callback
+# removes them before adding its own, so an old callback never acts on a new run.
+_hooks_on_model: "weakref.WeakKeyDictionary[torch.nn.Module, List[Any]]" = weakref.WeakKeyDictionary()
+
+
+def _gradient_state() -> Any:
+    try:
+        from accelerate.state import GradientState
+
+        return GradientState()
+    except Exception:  # noqa: BLE001 - accelerate is a dependency of the Trainer; be lenient anyway
+        return None
+
+
+def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
+    """The model output's loss if it has one, else its first tensor that requires grad."""
+    loss = _loss_of(output)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return v
+    return None
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, dict):
+        loss = output.get("loss")
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 class StabilityGuardCallback(TrainerCallback):
@@ -27,13 +80,33 @@ class StabilityGuardCallback(TrainerCallback):
     At the start of training the callback wraps the Trainer's optimizer (inside accelerate's
     ``AcceleratedOptimizer``) in a :class:`~stabilityguard.GuardedOptimizer`, so every
     ``optimizer.step()`` of the Trainer is checked, with gradient accumulation (one check per
-    optimizer step) and mixed precision (accelerate unscales before the step).
+    optimizer step), mixed precision (accelerate unscales before the step) and several processes
+    (every rank takes the same decision; only rank 0 writes the event log).
 
-    The Trainer clips gradients (``max_grad_norm``, 1.0 by default) *before* ``optimizer.step()``,
-    which would hide a x1000 spike as a norm of 1.0. So the callback takes the clipping over: it sets
-    ``args.max_grad_norm`` to 0 for the run and the guard clips accepted steps to the original value
-    after detecting on the pre-clip norms (restored at the end of training). The Trainer's logged
-    ``grad_norm`` stays the pre-clip norm, as before.
+    **Clipping.** The Trainer clips gradients (``max_grad_norm``) *before* ``optimizer.step()``, which
+    would hide a x1000 spike as a norm of 1.0. So the guard clips accepted steps to ``max_grad_norm``
+    after detecting on the pre-clip norms: ``args.max_grad_norm`` is 0 only from the end of each
+    step's last backward pass to ``on_pre_optimizer_step`` (right before ``optimizer.step()``), so
+    it holds its value whatever way training ends (an exception in the forward or backward pass, or
+    the guard's own :class:`~stabilityguard.GradientSpikeError`), and checkpoints save it unchanged.
+
+    **Loss.** A forward hook on the model hands each optimizer step's loss to the guard as a tensor
+    (the mean over the accumulated micro-batches, as the Trainer logs it; read in the guard's single
+    device->host transfer), so events and trackers show the loss.
+
+    **Resume.** The guard's state (baselines, counters, feature state) is written into
+    ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``);
+    ``trainer.train(resume_from_checkpoint=...)`` restores it, so the resumed run takes the same
+    decisions as an uninterrupted one.
+
+    **Refused-batch records.** Every refused step is appended to ``<log_dir>/refused_batches.jsonl``
+    with its epoch, global step, the index within the epoch of its first dataloader batch and, when
+    the batches carry an ``index_key`` field (``"idx"``: a dataset column of sample indices, removed
+    from the batch before the model sees it), the sample indices. With ``skip_refused_batches`` the
+    recorded steps of a resumed run are skipped: the Trainer offers callbacks no way to drop a batch
+    without changing the data order, so their micro-batches still run forward and backward, and
+    their gradients are discarded before the optimizer step (weights, optimizer state and baselines
+    never see them; the LR schedule advances as for any refused step).
 
     Every Trainer log entry gets the guard's counters (``sg/spikes_total``, ``sg/nonfinite_total``,
     ``sg/skipped_total``, ``sg/rollbacks_total``, ``sg/max_ratio``) in ``trainer.state.log_history``.
@@ -43,40 +116,195 @@ class StabilityGuardCallback(TrainerCallback):
     Args:
         trackers: ``"auto"`` (bridges for the active W&B / MLflow runs named in ``report_to``) or ``None``.
         sinks: Extra sinks for the guard.
+        skip_refused_batches: ``False``; ``True`` to skip, in this run, the steps recorded in
+            ``<log_dir>/refused_batches.jsonl`` (a resumed run); or the path of a records file.
+        index_key: The batch field with the samples' dataset indices (``None``: none).
         **guard_kwargs: :class:`GuardedOptimizer` settings (``spike_threshold``, ``nan_action``, ...).
+
+    Raises:
+        ConfigError: For an invalid setting, and at ``on_train_begin`` when the Trainer's optimizer
+            is not a ``torch.optim.Optimizer`` (e.g. DeepSpeed's).
+
+    Example:
+        >>> cb = StabilityGuardCallback(spike_threshold=10.0, log_dir="runs/sg")  # doctest: +SKIP
+        >>> Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()  # doctest: +SKIP
+        >>> resumed = StabilityGuardCallback(log_dir="runs/sg", skip_refused_batches=True)  # doctest: +SKIP
+        >>> Trainer(model=model, args=args, train_dataset=ds, callbacks=[resumed]).train(
+        ...     resume_from_checkpoint=True)  # doctest: +SKIP
     """
 
-    def __init__(self, *, trackers: Optional[str] = "auto", sinks: Optional[List[Any]] = None, **guard_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        trackers: Optional[str] = "auto",
+        sinks: Optional[List[Any]] = None,
+        skip_refused_batches: Any = False,
+        index_key: Optional[str] = "idx",
+        **guard_kwargs: Any,
+    ) -> None:
         if trackers not in ("auto", None):
             raise ConfigError(f"trackers must be 'auto' or None; got {trackers!r}")
         if "clip_grad_norm" in guard_kwargs:
             raise ConfigError("clip_grad_norm is taken from TrainingArguments.max_grad_norm; set it there")
+        if sinks is not None and not isinstance(sinks, (list, tuple)):
+            raise ConfigError(f"sinks must be a list of sinks or None; got {type(sinks).__name__}")
+        for s in sinks or ():
+            if not callable(getattr(s, "emit", None)):
+                raise ConfigError(f"sinks must be objects with an emit(event) method; got {s!r}")
+        unknown = sorted(set(guard_kwargs) - set(GuardConfig.field_names()) - {"eos_probe"})
+        if unknown:
+            raise ConfigError(f"unknown GuardedOptimizer setting(s) {unknown}; see GuardConfig for the settings")
         # Validate now (construction), not when training starts.
-        from ..config import GuardConfig
-
-        GuardConfig(**{k: v for k, v in guard_kwargs.items() if k in GuardConfig.field_names()})
+        config = GuardConfig(**{k: v for k, v in guard_kwargs.items() if k in GuardConfig.field_names()})
+        self._records_path = None if config.log_dir is None else config.log_dir
+        self._skip_file = check_skip_setting(skip_refused_batches, config.log_dir)
+        self.skip_refused_batches = skip_refused_batches
+        self.index_key = check_index_key(index_key)
         self.guard_kwargs = guard_kwargs
         self.trackers = trackers
         self.sinks = list(sinks or [])
         self.guard: Optional[GuardedOptimizer] = None
-        self._saved_max_grad_norm: Optional[float] = None
+        self.recorder: Optional[RefusedBatchRecorder] = None
+        #: Steps skipped in this run because they were recorded (``skip_refused_batches``).
+        self.skipped_batches: List[Dict[str, Any]] = []
+        self._skip: Dict[Tuple[int, int], List[Any]] = {}
+        self._args: Any = None
+        self._state: Any = None
+        self._clip: Optional[float] = None
+        self._saved_max_grad_norm: Optional[float] = None  # set while args.max_grad_norm is 0
+        self._armed_this_step = False
+        self._warned_unarmed = False
+        self._handles: List[Any] = []
+        self._own_guards: "weakref.WeakSet[GuardedOptimizer]" = weakref.WeakSet()
+        self._reset_step()
+        self._epoch = 0
+        self._micro = 0
+        self._resume_offset = 0
+        self._first_epoch = True
+        self._len_dataloader: Optional[int] = None
+        self._pending_state: Optional[Dict[str, Any]] = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
-        if optimizer is None or not hasattr(optimizer, "optimizer"):
+    # ------------------------------------------------------------------ start
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       train_dataloader: Any = None, **kw: Any) -> None:
+        holder, inner = self._find_optimizer(optimizer)
+        if self._skip_file is not None and getattr(holder, "scaler", None) is not None:
+            raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
+                              "gradients of a recorded step, which GradScaler.step refuses); use bf16 or turn it off")
+        self._args, self._state = args, state
+        if isinstance(inner, GuardedOptimizer) and inner not in self._own_guards:
+            self.guard = inner  # the user's own guard: keep its settings
+            if args.max_grad_norm and args.max_grad_norm > 0:
+                logger.warning("stabilityguard: the Trainer's optimizer is already a GuardedOptimizer; the Trainer "
+                               "clips (max_grad_norm=%s) before it detects", args.max_grad_norm)
+        else:
+            previous = None
+            if isinstance(inner, GuardedOptimizer):  # ours, from an earlier train() of this Trainer
+                previous, inner = inner.guard_state_dict(), inner.base_optimizer
+            self._clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+            sinks = self.sinks + self._auto_bridges(args)
+            self.guard = GuardedOptimizer(inner, model, clip_grad_norm=self._clip, sinks=sinks, **self.guard_kwargs)
+            self._own_guards.add(self.guard)
+            self._install(holder, self.guard)
+            if previous is not None:
+                self._load_guard_state(previous)
+        if self._pending_state is not None:
+            self._load_guard_state(self._pending_state["guard"])
+            self._pending_state = None
+        saved = (getattr(state, "stateful_callbacks", None) or {}).get(STATE_KEY)
+        if state.global_step > 0 and isinstance(saved, dict) and "guard" in saved:
+            self._load_guard_state(saved["guard"])
+            logger.info("stabilityguard: guard state restored from the checkpoint (step %d)", self.guard.counters.steps)
+        elif state.global_step > 0:
+            logger.warning("stabilityguard: resuming at step %d from a checkpoint without guard state; baselines "
+                           "warm up again", state.global_step)
+        self._setup_data_position(args, state, train_dataloader)
+        self._setup_records(args, holder)
+        self._install_hooks(model)
+
+    @staticmethod
+    def _find_optimizer(optimizer: Any) -> Tuple[Any, Any]:
+        """The accelerate wrapper that calls ``step()`` and the torch optimizer inside it."""
+        if optimizer is None:
+            raise ConfigError("StabilityGuardCallback needs the Trainer's optimizer at on_train_begin; got None")
+        holder = optimizer
+        while not isinstance(getattr(holder, "optimizer", None), GuardedOptimizer) and \
+                isinstance(getattr(holder, "optimizer", None), torch.optim.Optimizer) and \
+                hasattr(holder.optimizer, "optimizer"):
+            holder = holder.optimizer  # an AcceleratedOptimizer wrapped again by a later train()
+        inner = getattr(holder, "optimizer", None)
+        if inner is None or not isinstance(inner, torch.optim.Optimizer):
+            found = inner if inner is not None else optimizer
             raise ConfigError(
-                "StabilityGuardCallback needs the Trainer's accelerate-wrapped optimizer at on_train_begin; "
-                f"got {type(optimizer).__name__}"
+                "StabilityGuardCallback guards a torch.optim.Optimizer stepped by the Trainer through accelerate; "
+                f"found {type(found).__module__}.{type(found).__qualname__}. Engines that own the optimizer step "
+                "(DeepSpeed, ...) are not supported: wrap the optimizer yourself where the engine allows it"
             )
-        inner = optimizer.optimizer
-        if isinstance(inner, GuardedOptimizer):
-            self.guard = inner
+        return holder, inner
+
+    @staticmethod
+    def _install(holder: Any, guard: GuardedOptimizer) -> None:
+        holder.optimizer = guard
+        if getattr(holder, "scaler", None) is not None and hasattr(holder, "_optimizer_original_step_method"):
+            # fp16: accelerate patched the plain optimizer's step for GradScaler; patch the guard's instead,
+            # or scaler.step() would call the plain step and bypass the guard.
+            from accelerate.optimizer import patch_optimizer_step
+
+            holder._optimizer_original_step_method = guard.step
+            holder._optimizer_patched_step_method = patch_optimizer_step(holder, guard.step)
+
+    def _load_guard_state(self, guard_state: Dict[str, Any]) -> None:
+        assert self.guard is not None
+        # Through load_state_dict (public): the guard re-snapshots for rollback at the restored step.
+        sd = self.guard.base_optimizer.state_dict()
+        sd["stabilityguard"] = guard_state
+        self.guard.load_state_dict(sd)
+
+    def _setup_data_position(self, args: Any, state: Any, train_dataloader: Any) -> None:
+        """Epoch and batch index of the first batch this run trains on (the Trainer's resume rules)."""
+        try:
+            self._len_dataloader = len(train_dataloader) if train_dataloader is not None else None
+        except TypeError:  # an iterable dataset: no batch index
+            self._len_dataloader = None
+        self._epoch, self._micro, self._resume_offset = 0, 0, 0
+        self._first_epoch = True
+        if self._len_dataloader and state.global_step > 0:
+            accum = max(int(args.gradient_accumulation_steps), 1)
+            n = self._len_dataloader
+            per_epoch = max(n // accum + int(n % accum > 0), 1)
+            self._epoch = state.global_step // per_epoch
+            if not args.ignore_data_skip:
+                self._resume_offset = (state.global_step % per_epoch) * accum
+
+    def _setup_records(self, args: Any, holder: Any) -> None:
+        assert self.guard is not None
+        path = None if self._records_path is None else Path(self._records_path) / RECORDS_FILE
+        self.recorder = RefusedBatchRecorder(path, "huggingface", self.guard.rank, self._record_context)
+        attach_recorder(self.guard, self.recorder)
+        self._skip = {}
+        if self._skip_file is not None:
+            if self._len_dataloader is None:
+                logger.warning("stabilityguard: skip_refused_batches needs a dataloader with a length (batch "
+                               "indices); nothing will be skipped")
+            self._skip = skip_keys(load_records(self._skip_file, framework="huggingface"))
+            logger.info("stabilityguard: %d recorded step(s) from %s will be skipped", len(self._skip), self._skip_file)
+
+    def _install_hooks(self, model: Any) -> None:
+        self._remove_hooks()
+        if not isinstance(model, torch.nn.Module):
             return
-        self._saved_max_grad_norm = args.max_grad_norm
-        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        args.max_grad_norm = 0.0  # the guard clips after detecting on pre-clip norms
-        sinks = self.sinks + self._auto_bridges(args)
-        self.guard = GuardedOptimizer(inner, model, clip_grad_norm=clip, sinks=sinks, **self.guard_kwargs)
-        optimizer.optimizer = self.guard
+        for h in _hooks_on_model.pop(model, []):
+            h.remove()
+        self._handles = [
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, with_kwargs=True),
+        ]
+        _hooks_on_model[model] = list(self._handles)
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def _auto_bridges(self, args: Any) -> List[Any]:
         if self.trackers != "auto":
@@ -105,20 +333,178 @@ class StabilityGuardCallback(TrainerCallback):
                 pass
         return bridges
 
+    # ------------------------------------------------------------------ per step
+    def _reset_step(self) -> None:
+        self._loss_scaled: Optional[torch.Tensor] = None  # sum of losses already normalised over the step
+        self._loss_sum: Optional[torch.Tensor] = None  # sum of per-micro-batch mean losses
+        self._loss_n = 0
+        self._step_indices: List[Any] = []
+        self._step_batch_index: Optional[int] = None
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._first_epoch:
+            self._micro = self._resume_offset
+            self._first_epoch = False
+        else:
+            self._epoch += 1
+            self._micro = 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._reset_step()
+        self._step_batch_index = self._micro if self._len_dataloader else None
+        self._armed_this_step = False
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._micro += 1
+
+    def _training_forward(self, module: torch.nn.Module) -> bool:
+        return self.guard is not None and module.training and torch.is_grad_enabled()
+
+    def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        key = self.index_key
+        if key is None or key not in kwargs:
+            return None
+        kwargs = dict(kwargs)
+        value = kwargs.pop(key)  # the model does not take the index column
+        if self._training_forward(module):
+            self._step_indices.append(value.detach() if isinstance(value, torch.Tensor) else value)
+        return args, kwargs
+
+    def _post_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._training_forward(module):
+            return
+        loss = _loss_of(output)
+        if loss is not None:
+            loss = loss.detach()
+            if loss.dim():
+                loss = loss.float().mean()
+            if kwargs.get("num_items_in_batch") is not None:
+                # Normalised by the token count of the whole step: the step's loss is the sum.
+                scale = self._args.world_size if getattr(self._args, "average_tokens_across_devices", False) else 1
+                loss = loss * scale if scale != 1 else loss
+                self._loss_scaled = loss if self._loss_scaled is None else self._loss_scaled + loss
+            else:
+                self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+                self._loss_n += 1
+        gs = _gradient_state()
+        if self._clip is not None and gs is not None and getattr(gs, "sync_gradients", False):
+            target = _first_grad_tensor(output)
+            if target is not None:
+                target.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        # Take the Trainer's clipping over only once this backward pass has finished: a pass that
+        # raises never arms, so args.max_grad_norm is 0 only between a finished backward and
+        # on_pre_optimizer_step, where it is restored.
+        torch.autograd.Variable._execution_engine.queue_callback(self._arm_clipping)
+
+    def _arm_clipping(self) -> None:
+        if self._args is None or self._saved_max_grad_norm is not None:
+            return
+        self._saved_max_grad_norm = self._args.max_grad_norm
+        self._args.max_grad_norm = 0.0  # the guard clips after detecting on pre-clip norms
+        self._armed_this_step = True
+
+    def _restore_clipping(self) -> None:
+        if self._saved_max_grad_norm is not None and self._args is not None:
+            self._args.max_grad_norm = self._saved_max_grad_norm
+        self._saved_max_grad_norm = None
+
+    def _step_loss(self) -> Optional[torch.Tensor]:
+        parts = []
+        if self._loss_scaled is not None:
+            parts.append(self._loss_scaled)
+        if self._loss_sum is not None and self._loss_n:
+            parts.append(self._loss_sum / self._loss_n)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._restore_clipping()
+        if self.guard is None:
+            return
+        if self._clip is not None and not self._armed_this_step and not self._warned_unarmed:
+            self._warned_unarmed = True
+            logger.warning("stabilityguard: no model output of this step reached backward, so the Trainer clipped "
+                           "the gradients before the guard measured them (detection on post-clip norms)")
+        if self._skip and matches(self._skip, (self._epoch, self._step_batch_index),
+                                  self.guard.rank,
+                                  lambda: self._record_context()["sample_indices"]):
+            self._skip_recorded_step(state)
+            return
+        loss = self._step_loss()
+        if loss is not None:
+            self.guard.observe_loss(loss)
+
+    def _skip_recorded_step(self, state: Any) -> None:
+        assert self.guard is not None
+        entry = {"epoch": self._epoch, "batch_index": self._step_batch_index, "global_step": state.global_step,
+                 "step": self.guard.counters.steps}
+        self.skipped_batches.append(entry)
+        logger.warning("stabilityguard: skipping recorded step (epoch %d, batch %s, global step %d): its gradients are "
+                       "discarded before the optimizer step", self._epoch, self._step_batch_index, state.global_step)
+        self.guard.zero_grad(set_to_none=True)  # the wrapped step then changes no weight and no state
+        self.guard.observe_loss(None)  # type: ignore[arg-type]
+
+    def _record_context(self) -> Dict[str, Any]:
+        return {
+            "epoch": self._epoch,
+            "global_step": None if self._state is None else int(self._state.global_step),
+            "batch_index": self._step_batch_index,
+            "sample_indices": join_indices(self._step_indices),
+        }
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._micro += 1
+        self._restore_clipping()
+        if control.should_save:
+            self._stash(state)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if control.should_save:
+            self._stash(state)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._stash(state)  # save_strategy="best" decides to save after the evaluation
+
+    def _stash(self, state: Any) -> None:
+        """Put the guard's state where the Trainer's next checkpoint saves it (trainer_state.json)."""
+        if self.guard is None:
+            return
+        if state.stateful_callbacks is None:
+            state.stateful_callbacks = {}
+        state.stateful_callbacks[STATE_KEY] = {"guard": self.guard.guard_state_dict()}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The guard's state (what checkpoints carry in ``trainer_state.json``); ``{}`` before training."""
+        return {} if self.guard is None else {"guard": self.guard.guard_state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output now, or at the next ``on_train_begin`` if there is no guard yet.
+
+        A checkpoint's own guard state (``resume_from_checkpoint``) is applied after it and wins.
+        """
+        if not isinstance(state_dict, dict) or ("guard" in state_dict and not isinstance(state_dict["guard"], dict)):
+            raise ConfigError(f"not a StabilityGuardCallback state: {type(state_dict).__name__}")
+        if "guard" not in state_dict:
+            return
+        if self.guard is not None:
+            self._load_guard_state(state_dict["guard"])
+        else:
+            self._pending_state = dict(state_dict)
+
+    # ------------------------------------------------------------------ logs and end
     def metrics(self) -> Dict[str, float]:
         """The guard's counters as ``sg/`` metrics (what goes into the Trainer's logs)."""
         if self.guard is None:
             return {}
-        c = self.guard.counters
-        out = {
-            "sg/spikes_total": float(c.spikes),
-            "sg/nonfinite_total": float(c.nonfinite),
-            "sg/skipped_total": float(c.skipped),
-            "sg/rollbacks_total": float(c.rollbacks),
-        }
+        out = counters_metrics(self.guard)
         ratio = self.guard.last_max_ratio
         if ratio is not None:
             out["sg/max_ratio"] = ratio
+        if self._skip_file is not None:
+            out["sg/skipped_recorded_total"] = float(len(self.skipped_batches))
         return out
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Dict[str, Any]] = None, **kw: Any) -> None:
@@ -131,8 +517,10 @@ class StabilityGuardCallback(TrainerCallback):
             state.log_history[-1].update(m)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self._saved_max_grad_norm is not None:
-            args.max_grad_norm = self._saved_max_grad_norm
-            self._saved_max_grad_norm = None
+        self._restore_clipping()
+        self._remove_hooks()
         if self.guard is not None:
             self.guard.close()
+
+
+__all__ = ["STATE_KEY", "StabilityGuardCallback"]

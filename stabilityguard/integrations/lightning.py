@@ -7,11 +7,30 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from .._optional import require
 from ..config import GuardConfig
+from ..errors import ConfigError
 from ..optimizer import GuardedOptimizer
+from ._records import (
+    RECORDS_FILE,
+    RefusedBatchRecorder,
+    attach_recorder,
+    check_index_key,
+    check_skip_setting,
+    counters_metrics,
+    load_records,
+    matches,
+    join_indices,
+    skip_keys,
+)
+
+logger = logging.getLogger(__name__)
 
 _pl = require("lightning.pytorch", extra="lightning", feature="stabilityguard.integrations.lightning")
 
@@ -23,33 +42,89 @@ class StabilityGuardCallback(_pl.Callback):
     working: they share ``param_groups``). Lightning runs the training step inside
     ``optimizer.step(closure)`` and clips gradients (``gradient_clip_val``) inside that closure, right
     after ``on_before_optimizer_step``; the callback measures the gradients in that hook, before
-    clipping, and the guard decides on those numbers. A refused step never reaches the weights.
+    clipping, and the guard decides on those numbers. A refused step never reaches the weights. The
+    loss handed to ``backward`` (``on_before_backward``, summed over accumulated batches) goes to the
+    guard with that measurement, as a tensor (no extra host sync). Under ``strategy="ddp"`` every rank
+    takes the same decision and only rank 0 writes the event log.
 
     The guard's counters are logged with ``pl_module.log`` (``sg/spikes_total``, ...) so any Lightning
     logger records them, and the guard state is saved in checkpoints (``state_dict``).
 
+    **Refused-batch records.** Every refused step is appended to ``<log_dir>/refused_batches.jsonl``
+    with its epoch, global step, ``batch_idx`` (of the first batch of the step) and, for dict batches
+    with an ``index_key`` field, the sample indices. With ``skip_refused_batches`` a resumed fit skips
+    the recorded steps, matched by ``(epoch, batch_idx)``. Lightning gives callbacks no way to drop one
+    batch (``-1`` from the LightningModule's ``on_train_batch_start`` ends the whole epoch), so a
+    recorded batch still runs ``training_step`` and backward, and its gradients are discarded before
+    the optimizer step: weights, optimizer state and baselines never see it.
+
     Args:
         sinks: Extra sinks for the guard.
+        skip_refused_batches: ``False``; ``True`` to skip the steps recorded in
+            ``<log_dir>/refused_batches.jsonl``; or the path of a records file.
+        index_key: The field of dict batches with the samples' dataset indices (``None``: none).
         **guard_kwargs: :class:`GuardedOptimizer` settings (``spike_threshold``, ``nan_action``, ...).
+
+    Raises:
+        ConfigError: For an invalid setting, and at ``on_fit_start`` for an optimizer that is not a
+            ``torch.optim.Optimizer``.
+
+    Example:
+        >>> cb = StabilityGuardCallback(log_dir="runs/sg", skip_refused_batches=True)  # doctest: +SKIP
+        >>> lightning.Trainer(callbacks=[cb]).fit(module, loader, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self, *, sinks: Optional[List[Any]] = None, **guard_kwargs: Any) -> None:
+    def __init__(self, *, sinks: Optional[List[Any]] = None, skip_refused_batches: Any = False,
+                 index_key: Optional[str] = "idx", **guard_kwargs: Any) -> None:
         super().__init__()
-        GuardConfig(**{k: v for k, v in guard_kwargs.items() if k in GuardConfig.field_names()})
+        if sinks is not None and not isinstance(sinks, (list, tuple)):
+            raise ConfigError(f"sinks must be a list of sinks or None; got {type(sinks).__name__}")
+        for s in sinks or ():
+            if not callable(getattr(s, "emit", None)):
+                raise ConfigError(f"sinks must be objects with an emit(event) method; got {s!r}")
+        unknown = sorted(set(guard_kwargs) - set(GuardConfig.field_names()) - {"eos_probe"})
+        if unknown:
+            raise ConfigError(f"unknown GuardedOptimizer setting(s) {unknown}; see GuardConfig for the settings")
+        config = GuardConfig(**{k: v for k, v in guard_kwargs.items() if k in GuardConfig.field_names()})
+        self._log_dir = config.log_dir
+        self._skip_file = check_skip_setting(skip_refused_batches, config.log_dir)
+        self.skip_refused_batches = skip_refused_batches
+        self.index_key = check_index_key(index_key)
         self.guard_kwargs = guard_kwargs
         self.sinks = list(sinks or [])
         self.guards: List[GuardedOptimizer] = []
+        self.recorders: List[RefusedBatchRecorder] = []
+        #: Steps skipped in this fit because they were recorded (``skip_refused_batches``).
+        self.skipped_batches: List[Dict[str, Any]] = []
+        self._skip: Dict[Tuple[int, int], List[Any]] = {}
         self._pending_state: Optional[Dict[str, Any]] = None
+        self._trainer: Any = None
+        self._window_start: Optional[int] = None  # batch_idx of the first batch of the current step
+        self._window_step: Optional[int] = None  # trainer.global_step when that window began
+        self._window_indices: List[Any] = []
+        self._loss: Optional[torch.Tensor] = None
 
     @property
     def guard(self) -> Optional[GuardedOptimizer]:
         """The guard of the first optimizer."""
         return self.guards[0] if self.guards else None
 
+    @property
+    def recorder(self) -> Optional[RefusedBatchRecorder]:
+        """The refused-batch recorder of the first optimizer."""
+        return self.recorders[0] if self.recorders else None
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._trainer = trainer
         guarded = []
         for opt in trainer.strategy.optimizers:
             if not isinstance(opt, GuardedOptimizer):
+                if not isinstance(opt, torch.optim.Optimizer):
+                    raise ConfigError(
+                        "StabilityGuardCallback guards torch.optim.Optimizer instances; found "
+                        f"{type(opt).__module__}.{type(opt).__qualname__} (strategies that own the optimizer "
+                        "step, such as DeepSpeed, are not supported)"
+                    )
                 opt = GuardedOptimizer(opt, pl_module, sinks=self.sinks, **self.guard_kwargs)
             guarded.append(opt)
         trainer.strategy.optimizers = guarded
@@ -58,6 +133,16 @@ class StabilityGuardCallback(_pl.Callback):
             for g, st in zip(self.guards, self._pending_state.get("guards", [])):
                 g.load_guard_state_dict(st)
             self._pending_state = None
+        path = None if self._log_dir is None else Path(self._log_dir) / RECORDS_FILE
+        self.recorders = []
+        for g in self.guards:
+            rec = RefusedBatchRecorder(path, "lightning", g.rank, self._record_context)
+            attach_recorder(g, rec)
+            self.recorders.append(rec)
+        self._skip = {}
+        if self._skip_file is not None:
+            self._skip = skip_keys(load_records(self._skip_file, framework="lightning"))
+            logger.info("stabilityguard: %d recorded step(s) from %s will be skipped", len(self._skip), self._skip_file)
 
     def _guard_of(self, optimizer: Any) -> Optional[GuardedOptimizer]:
         opt = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
@@ -66,21 +151,63 @@ class StabilityGuardCallback(_pl.Callback):
                 return g
         return None
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._window_step != trainer.global_step or self._window_start is None:
+            # The first batch of a new optimizer step (with accumulation, later batches join the window).
+            self._window_start, self._window_step = batch_idx, trainer.global_step
+            self._window_indices = []
+            self._loss = None
+        if self.index_key is not None and isinstance(batch, dict) and self.index_key in batch:
+            value = batch[self.index_key]
+            self._window_indices.append(value.detach() if isinstance(value, torch.Tensor) else value)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if isinstance(loss, torch.Tensor):
+            lt = loss.detach()  # already divided by accumulate_grad_batches: the sum is the step's mean
+            self._loss = lt if self._loss is None else self._loss + lt
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         guard = self._guard_of(optimizer)
-        if guard is not None:
-            guard.measure()  # before Lightning clips the gradients
+        if guard is None:
+            return
+        if self._skip and matches(self._skip, (trainer.current_epoch, self._window_start),
+                                  guard.rank,
+                                  lambda: self._record_context()["sample_indices"]):
+            self.skipped_batches.append({"epoch": trainer.current_epoch, "batch_index": self._window_start,
+                                         "global_step": trainer.global_step, "step": guard.counters.steps})
+            logger.warning("stabilityguard: skipping recorded step (epoch %d, batch_idx %s): its gradients are "
+                           "discarded before the optimizer step", trainer.current_epoch, self._window_start)
+            guard.zero_grad(set_to_none=True)  # the wrapped step then changes no weight and no state
+            guard.measure()
+            self._loss = None
+            return
+        loss, self._loss = self._loss, None  # consumed: a second optimizer (manual optimization) gets its own
+        guard.measure(loss)  # before Lightning clips the gradients
+
+    def _record_context(self) -> Dict[str, Any]:
+        trainer = self._trainer
+        return {
+            "epoch": None if trainer is None else int(trainer.current_epoch),
+            "global_step": None if trainer is None else int(trainer.global_step),
+            "batch_index": self._window_start,
+            "sample_indices": join_indices(self._window_indices),
+        }
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         g = self.guard
         if g is None:
             return
-        c = g.counters
-        pl_module.log_dict({"sg/spikes_total": float(c.spikes), "sg/nonfinite_total": float(c.nonfinite),
-                            "sg/skipped_total": float(c.skipped), "sg/rollbacks_total": float(c.rollbacks)},
-                           on_step=True, on_epoch=False, prog_bar=False, logger=True)
+        m = counters_metrics(g)
+        if self._skip_file is not None:
+            m["sg/skipped_recorded_total"] = float(len(self.skipped_batches))
+        pl_module.log_dict(m, on_step=True, on_epoch=False, prog_bar=False, logger=True)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        for g in self.guards:
+            g.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A fit that ends with an exception (e.g. ``GradientSpikeError``) still gets its ``run_end`` now."""
         for g in self.guards:
             g.close()
 
@@ -88,8 +215,13 @@ class StabilityGuardCallback(_pl.Callback):
         return {"guards": [g.guard_state_dict() for g in self.guards]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("guards", []), list):
+            raise ConfigError(f"not a StabilityGuardCallback state: {type(state_dict).__name__}")
         if self.guards:
             for g, st in zip(self.guards, state_dict.get("guards", [])):
                 g.load_guard_state_dict(st)
         else:
             self._pending_state = dict(state_dict)
+
+
+__all__ = ["StabilityGuardCallback"]

@@ -6,12 +6,14 @@ This is the only module of stabilityguard that prints.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import IO, List, Optional, Union
+from typing import IO, TYPE_CHECKING, List, Optional
 
 from ..events import (
     ActionTaken, BaselineReset, Calibration, EosWarning, GuardEvent, NonFinite, RunEnd, Spike, StepSummary,
 )
+
+if TYPE_CHECKING:
+    from .spike_report import SpikeReportSink
 
 _WIDTH = 62  # inner width of the panel
 
@@ -38,6 +40,8 @@ def _action_text(action: str, rollback_to: Optional[int]) -> str:
         return "optimizer.step() SKIPPED"
     if action == "rollback":
         return f"ROLLED BACK to the state before step {rollback_to}"
+    if action == "monitor":
+        return "none (monitor mode): step TAKEN, would be refused"
     return "GradientSpikeError raised"
 
 
@@ -45,15 +49,16 @@ class ConsoleSink:
     """Prints the spike panel of the original design and a summary line every ``log_every`` steps.
 
     Args:
-        report_dir: Where spike reports are written, for the "written →" line (None: no such line).
+        reports: The run's :class:`SpikeReportSink`, for the "written →" line with the path it really
+            wrote (or a note that the write failed); ``None``: no such line.
         stream: Where to print (``sys.stdout`` at the time of printing by default).
 
     Example:
         >>> sink = ConsoleSink()  # added automatically when verbose=True  # doctest: +SKIP
     """
 
-    def __init__(self, report_dir: Optional[Union[str, Path]] = None, stream: Optional[IO[str]] = None) -> None:
-        self.report_dir = Path(report_dir) if report_dir is not None else None
+    def __init__(self, reports: Optional["SpikeReportSink"] = None, stream: Optional[IO[str]] = None) -> None:
+        self.reports = reports
         self.stream = stream
         self._pending: Optional[Spike] = None
 
@@ -123,12 +128,17 @@ class ConsoleSink:
             loss = "NaN/Inf"
         lines.append(_line(f"  Loss (pre-skip): {loss}"))
         lines.append("╚" + "═" * _WIDTH + "╝")
-        if self.report_dir is not None:
-            suffix = f".rank{spike.rank}" if spike.rank else ""
-            lines.append(f"stabilityguard.log written → {self.report_dir / f'spike_step{spike.step}{suffix}.json'}")
-        if action.action != "raise":
-            lines.append("Your model weights are untouched. Training continues." if action.action == "skip"
-                         else "Model and optimizer restored. Training continues.")
+        if self.reports is not None:
+            path = self.reports.written.get((spike.run_id, spike.rank, spike.step))
+            lines.append(f"stabilityguard.log written → {path}" if path is not None else
+                         "stabilityguard.log: the spike report could not be written (see the warning); "
+                         "the event is in the JSONL log")
+        if action.action == "skip":
+            lines.append("Your model weights and module buffers are untouched. Training continues.")
+        elif action.action == "rollback":
+            lines.append("Model and optimizer restored. Training continues.")
+        elif action.action == "monitor":
+            lines.append("Monitor mode: nothing was changed; a guarding run would have refused this step.")
         return "\n".join(lines)
 
     @staticmethod
@@ -139,4 +149,6 @@ class ConsoleSink:
             f"[stabilityguard] step {event.step} | grad norm {_fmt(event.global_norm)} | "
             f"max ratio {ratio} | loss {_fmt(event.loss)} | spikes {event.spikes} | "
             f"NaN/Inf {event.nonfinite} | skipped {event.skipped} | rollbacks {event.rollbacks}"
+            + (f" | clipped {event.clipped}" if event.clipped else "")
+            + (f" | would refuse {event.would_refuse}" if event.would_refuse else "")
         )

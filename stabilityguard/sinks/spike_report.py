@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Dict, Tuple, Union
 
 from ..events import GuardEvent, NonFinite, Spike
 from ._json import dumps
@@ -39,6 +39,8 @@ def spike_report(event: Spike) -> Dict[str, Any]:
         "layer_norms": dict(event.layer_norms),
         "ema_baselines": dict(event.ema_baselines),
         "nan_layers": list(event.nan_layers),
+        "origin_ranks": event.origin_ranks,
+        "window": list(event.window),
     }
     if isinstance(event, NonFinite):
         report["nonfinite_values"] = dict(event.nonfinite_values)
@@ -62,6 +64,8 @@ class SpikeReportSink:
 
     def __init__(self, log_dir: Union[str, Path]) -> None:
         self.log_dir = Path(log_dir)
+        #: Where each report went, by ``(run_id, rank, step)``; a report that failed is absent.
+        self.written: Dict[Tuple[str, int, int], Path] = {}
 
     def path_for(self, event: GuardEvent) -> Path:
         """Where the report of ``event`` goes."""
@@ -83,7 +87,12 @@ class SpikeReportSink:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.path_for(event)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(dumps(spike_report(event), indent=2))
-            f.write("\n")
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(dumps(spike_report(event), indent=2))
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # never leave a half-written report behind
+            raise
+        self.written[(event.run_id, event.rank, event.step)] = path

@@ -1,0 +1,334 @@
+"""The guard's decision, over plain floats: refuse, scale back, or accept.
+
+This module knows nothing about tensors or optimizers: it takes the numbers the guard measured (one
+norm per layer and per parameter, the global norm, the loss) and returns a :class:`Verdict`. The torch
+adapter (:class:`~stabilityguard.GuardedOptimizer`) measures, applies the verdict and emits events.
+
+The graded response (the seed's severity scale, 1-2 normal, 2-5 moderate, 5-10 severe, > 10 critical):
+
+* **critical**: a layer's ratio to its baseline is over ``spike_threshold``, or any value is NaN/Inf:
+  the step is refused (``nan_action``: skip, rollback, raise; ``monitor`` only records it).
+* **outlier** (moderate/severe): a layer's ratio, or the global norm's ratio to its own baseline, is over
+  ``outlier_ratio``, or the loss is more than ``loss_z_threshold`` robust standard deviations above its
+  recent distribution: the step is taken, but the offending layers are scaled back to ``outlier_ratio``
+  times their baseline (a loss outlier scales every layer by ``loss_z_threshold / z``). No second pass
+  over the gradients: the factors come from the norms already measured.
+* **normal**: the step is taken unchanged.
+
+What enters the baselines (the "no ratchet" rule): a layer scaled back as an outlier feeds
+``FOLLOW = 1.5`` times its baseline into its EMA (not its raw norm, which would let the instability pull
+its own baseline up; not the baseline itself, which would freeze out a genuine change). During an
+instability a baseline grows by at most ``ema_alpha x 0.5`` per step (0.5 % at the default 0.01, +10 %
+over 20 steps), and a genuine new level is reached after about ``ln(level) / (ema_alpha x 0.5)`` steps
+(~420 steps for 8x). The global norm's baseline follows the same rule. Refused steps feed nothing; an
+accepted level shift moves the global baseline to the new total at once.
+
+Level shifts after critical spikes (refused steps feed no baseline, so a genuine jump of one layer's
+scale would be refused forever): a layer that spiked ``level_shift_steps`` steps in a row with consistent
+ratios (largest / smallest of the run <= ``level_shift_spread``) has its new level accepted at once; a
+run of bad batches is rarely that consistent, and one shorter than ``level_shift_steps`` is always
+refused. Inconsistent runs are accepted after ``level_shift_patience`` steps, as before.
+
+Example:
+    >>> pol = GuardPolicy(["fc"], 1, [0], spike_threshold=10, ema_alpha=0.1, warmup_steps=2)
+    >>> for _ in range(3):
+    ...     pol.commit(pol.decide([1.0], None, 1.0, None), [1.0], None)
+    >>> pol.decide([50.0], None, 50.0, None).kind
+    'refuse'
+    >>> v = pol.decide([4.0], None, 4.0, None)
+    >>> v.kind, round(v.factors[0], 3)
+    ('clip', 0.5)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Sequence
+
+from .detector import Decision, SpikeDetector
+
+ACCEPT, CLIP, REFUSE = "accept", "clip", "refuse"
+
+#: A layer scaled back as an outlier feeds this many times its baseline into its EMA.
+FOLLOW = 1.5
+
+
+@dataclass
+class Verdict:
+    """What the policy decided for one step with finite numbers.
+
+    Attributes:
+        kind: ``"accept"``, ``"clip"`` (taken, scaled back) or ``"refuse"`` (a critical spike).
+        decision: The spike detector's decision (ratios, trigger, level shifts).
+        factors: With ``kind == "clip"``: one factor (<= 1) per layer; ``None`` otherwise.
+        reasons: Why the step was clipped: any of ``"layer"``, ``"global"``, ``"loss"``.
+        global_ratio: Global norm / its baseline (NaN before warm-up).
+        loss_z: Robust z-score of the loss against its window (``None`` without a loss or a full window).
+        consistent_shift: Layers whose level shift was accepted early because their run was consistent.
+    """
+
+    kind: str
+    decision: Decision
+    factors: Optional[List[float]] = None
+    reasons: Sequence[str] = ()
+    global_ratio: float = math.nan
+    loss_z: Optional[float] = None
+    consistent_shift: Sequence[int] = ()
+
+    @property
+    def accepted(self) -> bool:
+        return self.kind != REFUSE
+
+
+class LossMonitor:
+    """Robust z-score of the loss against a window of recent accepted losses (median and MAD).
+
+    Outliers never enter the window as they are: a loss above ``median + z_threshold x scale`` enters it
+    at that bound (winsorised), so a sustained rise still moves the window, slowly, while a single bad
+    batch barely does.
+
+    Args:
+        window: Losses kept.
+        z_threshold: z-score above which a loss is an outlier.
+        min_count: Losses needed before any z-score is given.
+
+    Example:
+        >>> lm = LossMonitor(window=32, z_threshold=6.0, min_count=8)
+        >>> for x in [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98]:
+        ...     lm.add(x)
+        >>> lm.zscore(5.0) > 6
+        True
+    """
+
+    def __init__(self, *, window: int, z_threshold: float, min_count: int = 20) -> None:
+        self.window = int(window)
+        self.z_threshold = float(z_threshold)
+        self.min_count = int(min_count)
+        self.values: Deque[float] = deque(maxlen=self.window)
+        self._stats: Optional[tuple] = None  # (median, scale), cached until the window changes
+
+    def _center_scale(self) -> tuple:
+        if self._stats is None:
+            xs = sorted(self.values)
+            n = len(xs)
+            med = 0.5 * (xs[(n - 1) // 2] + xs[n // 2])
+            dev = sorted(abs(x - med) for x in xs)
+            mad = 0.5 * (dev[(n - 1) // 2] + dev[n // 2])
+            # 1.4826 MAD estimates the standard deviation of a normal; a floor keeps a flat loss sane.
+            scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
+            self._stats = (med, scale)
+        return self._stats
+
+    def zscore(self, loss: Optional[float]) -> Optional[float]:
+        """The loss's robust z-score, or ``None`` (no loss, too few values, or a non-finite loss)."""
+        if loss is None or len(self.values) < self.min_count or not math.isfinite(loss):
+            return None
+        med, scale = self._center_scale()
+        return (loss - med) / scale
+
+    def add(self, loss: Optional[float]) -> None:
+        """Add an accepted step's loss (winsorised at the outlier bound)."""
+        if loss is None or not math.isfinite(loss):
+            return
+        if len(self.values) >= self.min_count:
+            med, scale = self._center_scale()
+            loss = min(loss, med + self.z_threshold * scale)
+        self.values.append(float(loss))
+        self._stats = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.values = deque((float(v) for v in state.get("values", [])), maxlen=self.window)
+        self._stats = None
+
+
+class GuardPolicy:
+    """Spike detection plus the graded response, over floats (see the module docstring).
+
+    Args:
+        names: Name of every series (the layers first, then the parameters).
+        n_layers: How many leading series are layers.
+        group: For every series, the index of its layer.
+        spike_threshold: Ratio over which a layer's step is refused.
+        ema_alpha: EMA factor of the baselines.
+        warmup_steps: Accepted steps before a series is covered.
+        level_shift_patience: Consecutive spikes after which any layer's new level is accepted.
+        graded: Scale outliers back (``False``: the seed's behaviour, only critical steps act).
+        outlier_ratio: Ratio over which a layer (or the global norm) is scaled back.
+        loss_z_threshold: Robust z-score over which the loss is an outlier (``None``: loss not used).
+        loss_window: Accepted losses in the loss window.
+        level_shift_steps: Consistent consecutive spikes after which a layer's new level is accepted.
+        level_shift_spread: Largest / smallest ratio of a run that still counts as consistent.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        n_layers: int,
+        group: Sequence[int],
+        *,
+        spike_threshold: float,
+        ema_alpha: float,
+        warmup_steps: int,
+        level_shift_patience: int = 20,
+        graded: bool = True,
+        outlier_ratio: float = 3.0,
+        loss_z_threshold: Optional[float] = 6.0,
+        loss_window: int = 128,
+        level_shift_steps: int = 6,
+        level_shift_spread: float = 2.0,
+    ) -> None:
+        self.detector = SpikeDetector(names, n_layers, group, threshold=spike_threshold, alpha=ema_alpha,
+                                      warmup_steps=warmup_steps, patience=level_shift_patience)
+        self.n_layers = int(n_layers)
+        self.graded = bool(graded)
+        self.outlier_ratio = float(outlier_ratio)
+        self.alpha = float(ema_alpha)
+        self.warmup_steps = max(int(warmup_steps), 1)
+        self.level_shift_steps = int(level_shift_steps)
+        self.level_shift_spread = float(level_shift_spread)
+        self.loss: Optional[LossMonitor] = None
+        if graded and loss_z_threshold is not None:
+            self.loss = LossMonitor(window=loss_window, z_threshold=loss_z_threshold,
+                                    min_count=max(20, self.warmup_steps))
+        self.global_ema = 0.0
+        self.global_count = 0
+        #: Per layer, the ratios of its current run of consecutive critical spikes.
+        self.runs: List[List[float]] = [[] for _ in range(self.n_layers)]
+
+    # ------------------------------------------------------------------ deciding
+    def decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
+               loss: Optional[float]) -> Verdict:
+        """Decide on one step's finite numbers; changes nothing (see :meth:`commit`)."""
+        det = self.detector
+        decision = det.evaluate(values, present)
+        early = self._consistent_shifts(decision)
+        if early:
+            decision = _accept_shifts(decision, early)
+        if not decision.accepted:
+            return Verdict(REFUSE, decision, consistent_shift=early)
+        gr = global_norm / self.global_ema if self.global_count >= self.warmup_steps else math.nan
+        if not self.graded:
+            return Verdict(ACCEPT, decision, global_ratio=gr, consistent_shift=early)
+        z = self.loss.zscore(loss) if self.loss is not None else None
+        lim = self.outlier_ratio
+        factors: Optional[List[float]] = None
+        reasons: List[str] = []
+        if decision.max_ratio > lim:  # False for NaN (nothing warmed up)
+            shifted = decision.level_shift or ()
+            factors = [lim / r if r > lim and not (shifted and shifted[i]) else 1.0
+                       for i, r in enumerate(decision.ratios)]
+            if min(factors) < 1.0:
+                reasons.append("layer")
+            else:
+                factors = None
+        if gr > lim and decision.level_shift is None:  # a layer's new level moves the total too
+            g = lim / gr
+            factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
+            reasons.append("global")
+        if z is not None and self.loss is not None and z > self.loss.z_threshold:
+            g = self.loss.z_threshold / z
+            factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
+            reasons.append("loss")
+        if factors is None:
+            return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early)
+        return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early)
+
+    def _consistent_shifts(self, decision: Decision) -> List[int]:
+        """Spiking layers whose run (with this step) is long and consistent enough to be a new level."""
+        mask = decision.spike_mask
+        if mask is None or self.level_shift_steps >= self.detector.patience:
+            return []
+        out = []
+        for i, s in enumerate(mask):
+            if s and len(self.runs[i]) + 1 >= self.level_shift_steps:
+                run = self.runs[i][-(self.level_shift_steps - 1):] + [decision.ratios[i]]
+                if max(run) <= self.level_shift_spread * min(run):
+                    out.append(i)
+        return out
+
+    # ------------------------------------------------------------------ committing
+    def commit(self, verdict: Verdict, values: Sequence[float], present: Optional[Sequence[bool]],
+               loss: Optional[float], global_norm: Optional[float] = None) -> List[float]:
+        """Apply a verdict to the state; returns the baselines as they were before it."""
+        det, decision = self.detector, verdict.decision
+        before = det.baselines() if (not verdict.accepted or decision.shifted) else []
+        mask = decision.spike_mask
+        for i in range(self.n_layers):
+            if mask is not None and mask[i]:
+                self.runs[i].append(decision.ratios[i])
+            elif self.runs[i] and (present is None or present[i]):
+                self.runs[i] = []
+        if decision.level_shift is not None:
+            for i, s in enumerate(decision.level_shift):
+                if s:
+                    self.runs[i] = []
+        fed = self._fed_values(values, decision) if verdict.kind == CLIP else values
+        det.commit(decision, fed, present)
+        if verdict.accepted:
+            gn = global_norm if global_norm is not None else math.sqrt(sum(v * v for v in values[: self.n_layers]))
+            if gn > 0 and math.isfinite(gn):
+                if decision.level_shift is not None:
+                    self.global_ema = max(self.global_ema, gn)  # the new level of a layer moves the total too
+                elif self.global_count >= self.warmup_steps and gn > self.outlier_ratio * self.global_ema:
+                    gn = FOLLOW * self.global_ema
+                c = self.global_count
+                self.global_ema += max(self.alpha, 1.0 / (c + 1)) * (gn - self.global_ema)
+                self.global_count = min(c + 1, 1_000_000)
+            if self.loss is not None:
+                self.loss.add(loss)
+        return before
+
+    def _fed_values(self, values: Sequence[float], decision: Decision) -> List[float]:
+        """What a clipped step feeds into the baselines: a layer over ``outlier_ratio`` (and its
+        parameters) feeds ``FOLLOW`` x its baseline, every other series its own norm."""
+        lim, shift = self.outlier_ratio, decision.level_shift
+        scale = [FOLLOW / r if r > lim and not (shift and shift[i]) else 1.0  # False for NaN ratios
+                 for i, r in enumerate(decision.ratios)]
+        if min(scale) >= 1.0:
+            return list(values)
+        group = self.detector.group
+        return [v * scale[group[j]] for j, v in enumerate(values)]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """Baselines, counters, loss window and spike runs (JSON-native)."""
+        names = self.detector.names
+        return {
+            "detector": self.detector.state_dict(),
+            "global_ema": self.global_ema,
+            "global_count": self.global_count,
+            "loss": self.loss.state_dict() if self.loss is not None else None,
+            "runs": {names[i]: list(r) for i, r in enumerate(self.runs) if r},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output (an old checkpoint holding only detector state works too)."""
+        if "detector" not in state:  # a 0.1 checkpoint: the detector's own state
+            self.detector.load_state_dict(state)
+            return
+        self.detector.load_state_dict(state["detector"])
+        self.global_ema = float(state.get("global_ema", 0.0))
+        self.global_count = int(state.get("global_count", 0))
+        if self.loss is not None and state.get("loss"):
+            self.loss.load_state_dict(state["loss"])
+        runs = state.get("runs") or {}
+        names = self.detector.names
+        self.runs = [list(map(float, runs.get(names[i], []))) for i in range(self.n_layers)]
+
+
+def _accept_shifts(decision: Decision, layers: List[int]) -> Decision:
+    """The decision with ``layers`` moved from the spikes to the accepted level shifts."""
+    assert decision.spike_mask is not None
+    spike = list(decision.spike_mask)
+    shift = list(decision.level_shift) if decision.level_shift is not None else [False] * len(spike)
+    for i in layers:
+        spike[i], shift[i] = False, True
+    live = [i for i, s in enumerate(spike) if s]
+    trigger = max(live, key=decision.ratios.__getitem__) if live else -1
+    return Decision(decision.ratios, spike if live else None, shift, trigger, decision.max_index,
+                    decision.max_ratio)

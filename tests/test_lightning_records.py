@@ -1,0 +1,227 @@
+"""Lightning callback: the loss reaches the guard, refused-batch records, skipping them on a resumed fit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from stabilityguard import ConfigError, GradientSpikeError  # noqa: E402
+from stabilityguard.integrations._records import load_records  # noqa: E402
+from stabilityguard.integrations.lightning import StabilityGuardCallback  # noqa: E402
+from stabilityguard.testing import MarkovData, TinyGPT  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+N, BATCH = 80, 8  # 10 batches per epoch
+
+
+class IndexedData(torch.utils.data.Dataset):
+    def __init__(self, n=N):
+        self.x, self.y = MarkovData(vocab_size=32, seed=0).batch(n, 16)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "idx": i}
+
+
+class Lit(pl.LightningModule):
+    """A tiny GPT; ``faults`` maps (epoch, batch_idx) or a sample index ("sample", i) to a loss factor."""
+
+    def __init__(self, faults=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
+        self.faults = dict(faults or {})
+        self.losses = {}  # global step -> losses of its batches
+        self.batches = {}  # (epoch, batch_idx) -> sample indices
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model.loss(batch["x"], batch["y"])
+        self.batches[(self.current_epoch, batch_idx)] = batch["idx"].tolist()
+        factor = self.faults.get((self.current_epoch, batch_idx))
+        for i in batch["idx"].tolist():
+            factor = self.faults.get(("sample", i), factor)
+        if factor is not None:
+            loss = loss * factor
+        self.losses.setdefault(self.global_step, []).append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def fit(root, cb, faults=None, accum=1, epochs=3, ckpt_path=None, shuffle=False, checkpoint=False):
+    module = Lit(faults)
+    callbacks = [cb]
+    if checkpoint:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True, save_top_k=-1,
+                                                      every_n_epochs=1))
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
+                         accumulate_grad_batches=accum, callbacks=callbacks, default_root_dir=str(root))
+    loader = torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH, shuffle=shuffle,
+                                         generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def _events(log_dir):
+    return [json.loads(x) for f in sorted(log_dir.glob("events-*.jsonl")) for x in f.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_step_loss_reaches_the_guard(tmp_path, accum):
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
+    _, module = fit(tmp_path, cb, accum=accum, epochs=1)
+    summaries = {e["step"]: e["loss"] for e in _events(tmp_path / "sg") if e["kind"] == "step_summary"}
+    assert len(summaries) == 10 // accum
+    for step, losses in module.losses.items():
+        assert summaries[step] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_refused_batches_are_recorded_with_batch_idx_and_samples(tmp_path):
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, warmup_steps=3)
+    _, module = fit(tmp_path, cb, faults={("sample", 37): math.nan, (1, 6): 1e4}, shuffle=True, epochs=2)
+    records = load_records(tmp_path / "sg" / "refused_batches.jsonl")
+    assert records == cb.recorder.records
+    assert sorted((r["reason"], r["epoch"]) for r in records) == [("nonfinite", 0), ("nonfinite", 1), ("spike", 1)]
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)
+    for r in records:
+        assert r["schema"] == "1.5" and r["framework"] == "lightning" and r["rank"] == 0 and r["action"] == "skip"
+        assert r["sample_indices"] == module.batches[(r["epoch"], r["batch_index"])]
+        assert r["global_step"] == r["step"] == r["epoch"] * 10 + r["batch_index"]
+    assert all(37 in r["sample_indices"] for r in records if r["reason"] == "nonfinite")
+    assert [r["batch_index"] for r in records if r["reason"] == "spike"] == [6]
+
+
+def test_a_crashed_fit_resumes_past_its_bad_batch_with_skip_refused_batches(tmp_path):
+    faults = {(1, 4): math.nan}  # the bad batch: epoch 1, batch_idx 4
+    crash = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, nan_action="raise")
+    with pytest.raises(GradientSpikeError):
+        fit(tmp_path, crash, faults=faults, checkpoint=True)
+    (record,) = load_records(tmp_path / "sg" / "refused_batches.jsonl")
+    assert (record["epoch"], record["batch_index"], record["action"]) == (1, 4, "raise")
+    ckpt = str(tmp_path / "ckpt" / "last.ckpt")  # end of epoch 0
+
+    again = StabilityGuardCallback(log_dir=tmp_path / "sg_again", verbose=False, nan_action="raise")
+    with pytest.raises(GradientSpikeError):  # without the records, the same batch stops the fit again
+        fit(tmp_path / "again", again, faults=faults, ckpt_path=ckpt)
+
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, nan_action="raise", skip_refused_batches=True)
+    trainer, module = fit(tmp_path / "resumed", cb, faults=faults, ckpt_path=ckpt)
+    assert trainer.global_step == 30 and cb.guard.counters.steps == 30  # guard state came with the checkpoint
+    assert [(s["epoch"], s["batch_index"]) for s in cb.skipped_batches] == [(1, 4)]
+    assert cb.guard.counters.nonfinite == 0 and all(torch.isfinite(p).all() for p in module.parameters())
+    assert len(load_records(tmp_path / "sg" / "refused_batches.jsonl")) == 1
+
+
+RECORD = {"schema": "1.5", "run_id": "r", "step": 3, "global_step": 3, "epoch": 0, "batch_index": 3,
+          "sample_indices": None, "reason": "spike", "action": "skip", "rank": 0, "framework": "lightning"}
+
+
+@pytest.mark.parametrize("samples", [None, [31, 30, 29, 28, 27, 26, 25, 24]])
+def test_skipped_recorded_step_leaves_weights_and_optimizer_state_untouched(tmp_path, samples):
+    """Skipping a recorded batch equals never having its gradients: the step after it is the same."""
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({**RECORD, "sample_indices": samples}) + "\n")  # batch 3 = samples 24..31
+
+    class Snap(pl.Callback):
+        def __init__(self):
+            self.params = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            opt = trainer.optimizers[0]
+            self.params[batch_idx] = ([p.detach().clone() for p in pl_module.parameters()],
+                                      [s["exp_avg"].clone() for s in opt.state.values()])
+
+    snap = Snap()
+    module = Lit()
+    cb = StabilityGuardCallback(log_dir=None, verbose=False, skip_refused_batches=records)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, snap])
+    trainer.fit(module, torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    (before_p, before_s), (after_p, after_s) = snap.params[2], snap.params[3]
+    assert all(torch.equal(a, b) for a, b in zip(before_p, after_p))
+    assert all(torch.equal(a, b) for a, b in zip(before_s, after_s))
+    assert not all(torch.equal(a, b) for a, b in zip(after_p, snap.params[4][0]))  # the next step trains
+    assert cb.guard.counters.skipped == 0 and len(cb.skipped_batches) == 1
+
+
+def test_a_record_whose_samples_differ_is_not_skipped(tmp_path, caplog):
+    """Same epoch and batch index but other samples (the data order changed): that batch trains."""
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({**RECORD, "sample_indices": [0, 1, 2, 3, 4, 5, 6, 7]}) + "\n")
+    cb = StabilityGuardCallback(log_dir=None, verbose=False, skip_refused_batches=records)
+    fit(tmp_path, cb, epochs=1)
+    assert cb.skipped_batches == [] and "holds other samples than the recorded one" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sinks": "wandb"}, "sinks must be a list"),
+    ({"sinks": [42]}, "emit"),
+    ({"skip_refused_batches": "yes", "log_dir": None}, None),  # a path: accepted
+    ({"skip_refused_batches": 0.5}, "skip_refused_batches must be True, False or the path"),
+    ({"skip_refused_batches": np.bool_(True), "log_dir": None}, "log_dir is None"),  # numpy bool: a bool
+    ({"skip_refused_batches": np.array([True])}, "skip_refused_batches must be True, False or the path"),
+    ({"skip_refused_batches": True, "log_dir": None}, "log_dir is None"),
+    ({"index_key": b"idx"}, "index_key must be a non-empty string"),
+    ({"nan_action": "ignore"}, "nan_action must be one of"),
+    ({"warmup": 3}, "unknown GuardedOptimizer setting"),
+])
+def test_invalid_arguments_fail_at_construction(kwargs, message):
+    if message is None:
+        StabilityGuardCallback(**kwargs)
+        return
+    with pytest.raises(ConfigError, match=message):
+        StabilityGuardCallback(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], {"guards": "x"}])
+def test_load_state_dict_refuses_what_is_not_a_callback_state(bad):
+    with pytest.raises(ConfigError, match="not a StabilityGuardCallback state"):
+        StabilityGuardCallback(log_dir=None).load_state_dict(bad)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers (GAN-style): each step's loss goes to its own guard."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(16, 32)
+        self.automatic_optimization = False
+        self.seen = {"a": [], "b": []}
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x = batch["x"].float()
+        for name, layer, opt in (("a", self.a, opt_a), ("b", self.b, opt_b)):
+            loss = layer(x).pow(2).mean() * (1.0 if name == "a" else 3.0)
+            self.seen[name].append(loss.item())
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.a.parameters(), lr=1e-3), torch.optim.AdamW(self.b.parameters(), lr=1e-3)
+
+
+def test_manual_optimization_with_two_optimizers_hands_each_its_loss(tmp_path):
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    module = TwoOptimizers()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(module, torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    ga, gb = cb.guards
+    assert ga.counters.steps == gb.counters.steps == 10
+    assert ga.counters.last_loss == pytest.approx(module.seen["a"][-1], rel=1e-6)
+    assert gb.counters.last_loss == pytest.approx(module.seen["b"][-1], rel=1e-6)

@@ -1,0 +1,136 @@
+"""The graded response over floats (issue 11): levels, baselines during an instability, the loss signal,
+level shifts versus runs of bad batches, and its state round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from stabilityguard.policy import ACCEPT, CLIP, REFUSE, GuardPolicy, LossMonitor
+
+
+def make(**kw):
+    kw.setdefault("spike_threshold", 10.0)
+    kw.setdefault("ema_alpha", 0.1)
+    kw.setdefault("warmup_steps", 5)
+    return GuardPolicy(["a", "b"], 2, [0, 1], **kw)
+
+
+def feed(pol, values, loss=None, n=1):
+    v = None
+    for _ in range(n):
+        v = pol.decide(values, None, math.sqrt(sum(x * x for x in values)), loss)
+        pol.commit(v, values, None, loss, math.sqrt(sum(x * x for x in values)))
+    return v
+
+
+def warm(pol, steps=30, loss=1.0, rng=None):
+    rng = rng or random.Random(0)
+    for _ in range(steps):
+        feed(pol, [1.0 + 0.05 * rng.random(), 1.0 + 0.05 * rng.random()], loss + 0.01 * rng.random())
+
+
+def test_each_level():
+    pol = make()
+    warm(pol)
+    assert pol.decide([1.2, 1.0], None, 1.56, 1.0).kind == ACCEPT  # normal
+    v = pol.decide([3.5, 1.0], None, 3.64, 1.0)  # moderate: scaled back to outlier_ratio x baseline
+    assert v.kind == CLIP and v.reasons == ("layer",)
+    assert v.factors[0] == pytest.approx(3.0 / v.decision.ratios[0]) and v.factors[1] == 1.0
+    assert pol.decide([50.0, 1.0], None, 50.0, 1.0).kind == REFUSE  # critical
+
+
+def test_graded_off_is_the_seed_behaviour():
+    pol = make(graded=False)
+    warm(pol)
+    assert pol.decide([6.0, 1.0], None, 6.1, 1.0).kind == ACCEPT
+    assert pol.decide([50.0, 1.0], None, 50.0, 1.0).kind == REFUSE
+    assert pol.loss is None
+
+
+def test_global_norm_outlier_scales_every_layer():
+    pol = make(outlier_ratio=2.5)
+    warm(pol)
+    # both layers at 2.2x: no layer over 2.5, but 2.2 x sqrt(2) on a global baseline of ~sqrt(2)... same
+    # ratio; a wider rise of the global norm comes from many layers at once
+    v = pol.decide([2.4, 2.4], None, 2.4 * 1.5 * math.sqrt(2), 1.0)
+    assert v.kind == CLIP and v.reasons == ("global",) and v.factors[0] == v.factors[1] < 1.0
+
+
+def test_baselines_do_not_ratchet_during_an_instability_but_follow_a_regime_change():
+    pol = make(ema_alpha=0.01, outlier_ratio=3.0)
+    warm(pol, 200)
+    base = pol.detector.ema[0]
+    for _ in range(20):  # an instability: layer a at 8x for 20 steps (clipped, not refused)
+        v = feed(pol, [8.0 * base, 1.0])
+        assert v.kind == CLIP
+    grown = pol.detector.ema[0] / base
+    assert grown <= (1.0 + 0.01 * 0.5) ** 20 + 1e-9  # at most alpha x (FOLLOW - 1) per step: +10 %
+    for _ in range(600):  # a genuine new level persists: the baseline gets there
+        feed(pol, [8.0 * base, 1.0])
+    assert pol.decide([8.0 * base, 1.0], None, 8.0 * base, None).kind == ACCEPT
+
+
+def test_loss_outlier_with_ordinary_norms_is_scaled_back():
+    pol = make()
+    warm(pol, 60)
+    v = pol.decide([1.0, 1.0], None, math.sqrt(2), 5.0)
+    assert v.kind == CLIP and v.reasons == ("loss",) and v.loss_z > 6
+    assert v.factors == [pytest.approx(6.0 / v.loss_z)] * 2
+
+
+def test_loss_window_is_robust_to_outliers_entering_it():
+    lm = LossMonitor(window=50, z_threshold=6.0, min_count=20)
+    rng = random.Random(1)
+    for _ in range(40):
+        lm.add(2.0 + 0.01 * rng.gauss(0, 1))
+    for _ in range(5):
+        lm.add(1e4)  # enters winsorised at the outlier bound
+    assert max(lm.values) < 2.2
+    assert lm.zscore(3.0) > 6
+
+
+def test_no_loss_no_loss_signal():
+    pol = make()
+    warm(pol, 60)
+    assert pol.decide([1.0, 1.0], None, math.sqrt(2), None).kind == ACCEPT
+
+
+def test_level_shift_accepted_within_10_steps_and_5_bad_batches_refused():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    rng = random.Random(2)
+    kinds = []
+    for _ in range(5):  # five bad batches in a row: all refused
+        kinds.append(feed(pol, [1000.0 * (1 + rng.random()), 1.0]).kind)
+    assert kinds == [REFUSE] * 5
+    warm(pol, 30)
+    kinds = []
+    for _ in range(12):  # a sustained, consistent x40 shift of layer a
+        kinds.append(feed(pol, [40.0 * (1 + 0.1 * rng.random()), 1.0]).kind)
+    first_accept = next(i for i, k in enumerate(kinds) if k != REFUSE)
+    assert first_accept < 10 and all(k == REFUSE for k in kinds[:first_accept])
+    assert all(k != REFUSE for k in kinds[first_accept:])
+
+
+def test_inconsistent_bad_batches_beyond_level_shift_steps_are_still_refused():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    kinds = [feed(pol, [x, 1.0]).kind for x in (20.0, 900.0, 30.0, 5000.0, 15.0, 700.0, 40.0, 2000.0)]
+    assert kinds == [REFUSE] * 8
+
+
+def test_state_round_trip_is_json_and_decides_identically():
+    pol = make()
+    warm(pol, 60)
+    feed(pol, [50.0, 1.0])
+    state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
+    other = make()
+    other.load_state_dict(state)
+    for vals, loss in (([6.0, 1.0], 1.0), ([1.0, 1.0], 9.0), ([50.0, 1.0], 1.0)):
+        a = pol.decide(vals, None, 7.0, loss)
+        b = other.decide(vals, None, 7.0, loss)
+        assert (a.kind, a.factors, a.loss_z) == (b.kind, b.factors, b.loss_z)
