@@ -180,19 +180,32 @@ def incident_plot(run: RunLog, step: int, path: PathLike, segment: Optional[int]
             ratio = np.where(w["max_ratio_layer"].astype(object).to_numpy() == trigger, w["max_ratio"], np.nan)
             series = [("global_norm", "grad norm", w["global_norm"].to_numpy(dtype=float)),
                       ("loss", "loss", w["loss"].to_numpy(dtype=float)),
-                      ("ratio", "trigger ratio", ratio.astype(float)),
+                      ("ratio", "trigger layer's ratio", ratio.astype(float)),
                       ("lr", "LR", w["lr"].to_numpy(dtype=float))]
             x = w["step"].to_numpy()
             actions = w["action"].astype(object).to_numpy()
             for ax, (key, label, y) in zip(axes, series):
+                if key == "ratio":  # context: the highest ratio of any layer, whoever it was
+                    ax.plot(x, w["max_ratio"].to_numpy(dtype=float), color="lightgray", lw=1.0,
+                            label="highest ratio, any layer")
                 ax.plot(x, y, color="tab:blue", lw=1.1, marker=".", ms=3, label=label)
                 for action, (marker, color, alabel) in _ACTION_STYLE.items():
                     sel = actions == action
-                    if sel.any():
-                        ax.scatter(x[sel], np.where(np.isfinite(y[sel]), y[sel], np.nanmax(y) if np.isfinite(y).any()
-                                                    else 0.0), marker=marker, color=color, s=40, zorder=3,
-                                   label=alabel)
+                    if not sel.any():
+                        continue
+                    ok = sel & np.isfinite(y)
+                    if ok.any():
+                        ax.scatter(x[ok], y[ok], marker=marker, color=color, s=40, zorder=3, label=alabel)
+                    off = sel & ~np.isfinite(y)
+                    if off.any():  # no finite value (NaN/Inf, or not the trigger layer): at the top
+                        ax.scatter(x[off], np.full(int(off.sum()), 0.92), transform=ax.get_xaxis_transform(),
+                                   marker=marker, color=color, s=40, zorder=3, clip_on=False,
+                                   label=None if ok.any() else alabel)
                 finite = y[np.isfinite(y)]
+                if key == "ratio":
+                    ctx = w["max_ratio"].to_numpy(dtype=float)
+                    finite = np.concatenate([finite, ctx[np.isfinite(ctx)]])
+                    ax.legend(fontsize=7, loc="upper left")
                 if key in ("global_norm", "ratio") and len(finite) and finite.min() > 0 \
                         and finite.max() / finite.min() > 20:
                     ax.set_yscale("log")
