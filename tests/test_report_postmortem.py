@@ -358,3 +358,42 @@ def test_markdown_to_html_subset():
     page = markdown_to_html("# T\n\n- a `x<y` **b**\n  - nested\n1. one\n\n| h | i |\n|---|---|\n| 1\\|2 | 3 |\n")
     assert "<h1>T</h1>" in page and "<code>x&lt;y</code>" in page and "<strong>b</strong>" in page
     assert "<ul>" in page and "<ol>" in page and "<td>1|2</td>" in page
+
+
+@pytest.mark.parametrize("nan_action", ["skip", "monitor"])
+def test_postmortem_of_a_real_guard_with_the_flight_recorder(run_factory, tmp_path, nan_action):
+    """A real GuardedOptimizer (schema 1.5 core): a clipped step, a spike, a NaN; refused or monitored."""
+    from stabilityguard.testing import poison_grad, scale_grad
+
+    run = run_factory(log_every=10, nan_action=nan_action)
+    # a monitored NaN would be applied (and poison every later step): monitor mode gets a second spike
+    last = (lambda m: poison_grad(m.blocks[0].attn.qkv.weight)) if nan_action == "skip" else \
+        (lambda m: scale_grad(m.blocks[1].mlp.fc, 1000.0))
+    run.train(70, faults={30: lambda m: scale_grad(m.head, 5.0),  # over outlier_ratio, under the threshold
+                          40: lambda m: scale_grad(m.head, 1000.0),
+                          55: last})
+    run.opt.close()
+    log = load_run(run.opt.config.log_dir)
+    assert log.problems == []
+    s = run_summary(log)
+    end = log.end
+    assert (s["spikes"], s["nonfinite"]) == ((1, 1) if nan_action == "skip" else (2, 0))
+    assert s["clipped"] == end["clipped"] and s["would_refuse"] == end["would_refuse"]
+    assert sorted(set(log.windows["incident_step"])) == [40, 55]
+    before = window_of(log, 40, 0, "before")
+    assert before["step"].iloc[-1] == 40 and len(window_of(log, 40, 0, "after")) > 0
+    paths = write_report(log, tmp_path / "rep")
+    md = paths["postmortem"].read_text()
+    assert {"incident_40", "incident_55"} <= set(paths) and "## Incidents up close" in md
+    if nan_action == "monitor":
+        assert s["monitor"] and s["would_refuse"] == 2 and s["skipped"] == 0
+        assert str(before["action"].iloc[-1]) == "monitor"
+        assert "## Steps that would have been refused (monitor mode)" in md and "40, 55 (2 steps" in md
+    else:
+        assert s["skipped"] == 2 and str(before["action"].iloc[-1]) == "skip"
+        clips = log.actions.loc[log.actions["action"] == "clip", "step"].tolist()
+        assert 30 in clips and s["clipped"] == len(clips)  # the x5 step was taken, scaled back
+        assert severity_table(log).loc["clipped", "clip"] == s["clipped"]
+        assert f"| clipped steps | {s['clipped']} |" in md
+    page = paths["html"].read_text()
+    assert page.count("data:image/png;base64,") == page.count("<img ") >= 4
