@@ -42,15 +42,15 @@ PathLike = Union[str, Path]
 
 _SUMMARY_FLOATS = ("time", "global_norm", "max_ratio", "loss", "lr", "threshold")
 _SUMMARY_INTS = ("steps", "spikes", "nonfinite", "skipped", "rollbacks")
-#: Optional ``step_summary`` fields (schema 1.3/1.5): a column exists only once a record carried it,
-#: ``NaN`` (unknown) for the rows before and for records without it.
+#: Optional ``step_summary`` fields (schema 1.3/1.5): a column exists when some record knew a value,
+#: ``NaN`` (unknown) in the rows without it.
 _SUMMARY_OPTIONAL = ("window_steps", "global_norm_mean", "global_norm_max", "loss_mean", "loss_max",
                      "update_rms_mean", "clipped", "would_refuse", "refused_max_ratio",
                      "post_clip_global_norm", "clipped_layers")
-_SUMMARY_OPTIONAL_SET = frozenset(_SUMMARY_OPTIONAL)
 _SUMMARY_KNOWN = frozenset(("schema_version", "kind", "run_id", "step", "rank", "max_ratio_layer")
                            + _SUMMARY_FLOATS + _SUMMARY_INTS)
 _N_SUMMARY_KNOWN = len(_SUMMARY_KNOWN)
+_NAN_ROW = array("d", [float("nan")] * len(_SUMMARY_OPTIONAL))
 _WINDOW_FLOATS = ("global_norm", "loss", "lr", "max_ratio", "update_rms")
 #: Values of the ``action`` field of a flight-recorder window entry (schema 1.5).
 WINDOW_ACTIONS = ("accepted", "clip", "skip", "rollback", "raise", "monitor")
@@ -282,7 +282,7 @@ class _RunBuilder:
         # summary rows, row-major: one extend per record (columns are cut out with numpy at the end)
         self.frows = array("d")
         self.irows = array("q")
-        self.optional: Dict[str, array] = {}
+        self.orows: Optional[array] = None  # optional summary fields, row-major (created when first seen)
         self.layer_codes = array("i")
         self.refused_codes: Optional[array] = None
         self.layer_names: Dict[str, int] = {}
@@ -316,7 +316,7 @@ class _RunBuilder:
         return code
 
     def _reset_summaries(self) -> None:
-        for a in [self.frows, self.irows] + list(self.optional.values()) + [self.layer_codes]:
+        for a in [self.frows, self.irows, self.layer_codes] + ([self.orows] if self.orows is not None else []):
             del a[:]
         if self.refused_codes is not None:
             del self.refused_codes[:]
@@ -466,26 +466,27 @@ class _RunBuilder:
                 ok = False
             if ok and bool in set(map(type, floats + counts)):  # array() would take True as 1
                 ok = False
-        opt: Dict[str, float] = {}
+        orow = None
         refused_layer = None
         # optional fields (schema 1.3/1.5) can only be there if the record has more keys than the known
         # ones, or if a known one is missing (read as None)
         if ok and (len(rec) != _N_SUMMARY_KNOWN or layer is None or None in floats):
-            extra = rec.keys() - _SUMMARY_KNOWN
-            if extra:
-                for k in extra:
-                    if k in _SUMMARY_OPTIONAL_SET:
-                        v = rec[k]
-                        t = type(v)
-                        if t is float or (t is int and -_BIG < v < _BIG):
-                            opt[k] = v
-                        elif v is None:
-                            opt[k] = _NAN
-                        else:
-                            ok = False
-                refused_layer = rec.get("refused_max_ratio_layer")
-                if refused_layer is not None and type(refused_layer) is not str:
+            ovals = list(map(get, _SUMMARY_OPTIONAL))
+            if ovals.count(None) != len(ovals):
+                try:
+                    if bool in set(map(type, ovals)):
+                        raise TypeError
+                    orow = array("d", ovals)
+                except TypeError:
+                    try:
+                        orow = array("d", [_NAN if v is None else v for v in ovals])
+                    except (TypeError, OverflowError):
+                        ok = False
+                except OverflowError:
                     ok = False
+            refused_layer = get("refused_max_ratio_layer")
+            if refused_layer is not None and type(refused_layer) is not str:
+                ok = False
         if ok:
             floats, ints = frow, irow
         else:
@@ -494,6 +495,7 @@ class _RunBuilder:
             ints = [step, rank, self.segment_of_rank.get(rank, 0)] + [chk.int0(rec, k) for k in _SUMMARY_INTS]
             layer = chk.text(rec, "max_ratio_layer")
             opt = {k: chk.num(rec, k) for k in _SUMMARY_OPTIONAL if k in rec}
+            orow = array("d", [opt.get(k, _NAN) for k in _SUMMARY_OPTIONAL]) if opt else None
             refused_layer = chk.text(rec, "refused_max_ratio_layer") if "refused_max_ratio_layer" in rec else None
             self._flush(chk)
         self.ranks.add(rank)
@@ -508,11 +510,12 @@ class _RunBuilder:
         # Everything is validated: append to every column (never half a row).
         self.frows.extend(floats)
         self.irows.extend(ints)
-        for k, v in opt.items():
-            if k not in self.optional:
-                self.optional[k] = array("d", [_NAN]) * n if n else array("d")
-        for k, a in self.optional.items():
-            a.append(opt.get(k, _NAN))
+        if orow is not None:
+            if self.orows is None:
+                self.orows = _NAN_ROW * n if n else array("d")
+            self.orows.extend(orow)
+        elif self.orows is not None:
+            self.orows.extend(_NAN_ROW)
         self.layer_codes.append(-1 if layer is None else self._code(layer))
         if refused_layer is not None and self.refused_codes is None:
             self.refused_codes = array("i", [-1]) * n if n else array("i")
@@ -682,9 +685,12 @@ class _RunBuilder:
         order = ["step", "time", "global_norm", "max_ratio", "max_ratio_layer", "loss", "lr", "threshold",
                  "steps", "spikes", "nonfinite", "skipped", "rollbacks", "rank", "segment"]
         data = {k: cols[k] for k in order}
-        for k in _SUMMARY_OPTIONAL:
-            if k in self.optional:
-                data[k] = col(self.optional[k], np.float64)
+        if self.orows is not None:  # a column for every optional field some record knew
+            orows = col(self.orows, np.float64).reshape(-1, len(_SUMMARY_OPTIONAL))
+            known = ~np.isnan(orows).all(axis=0)
+            for i, k in enumerate(_SUMMARY_OPTIONAL):
+                if known[i]:
+                    data[k] = orows[:, i].copy()
         if self.refused_codes is not None:
             data["refused_max_ratio_layer"] = cat(self.refused_codes)
         steps = pd.DataFrame(data)
