@@ -114,9 +114,13 @@ def _cmd_summary(args: argparse.Namespace) -> int:
         return "n/a (too few values)" if x is None else f"{x:.2%}"
 
     resumed = f" ({s['segments']} segments: resumed)" if s["segments"] > 1 else ""
-    _echo(f"run {s['run_id']}: {s['steps']} steps{resumed}" + ("  [monitor mode: nothing refused]" if s["monitor"] else ""))
-    _echo(f"total spikes        : {s['spikes']}" + (f"  (layers: {', '.join(s['spike_layers'][:5])})" if s['spike_layers'] else ""))
-    _echo(f"NaN/Inf steps       : {s['nonfinite']}" + (f"  (layers: {', '.join(s['nonfinite_layers'][:5])})" if s['nonfinite_layers'] else ""))
+    def layers(names):
+        return f"  (layers: {', '.join(names[:5])})" if names else ""
+
+    _echo(f"run {s['run_id']}: {s['steps']} steps{resumed}"
+          + ("  [monitor mode: nothing refused]" if s["monitor"] else ""))
+    _echo(f"total spikes        : {s['spikes']}{layers(s['spike_layers'])}")
+    _echo(f"NaN/Inf steps       : {s['nonfinite']}{layers(s['nonfinite_layers'])}")
     _echo(f"skipped / rollbacks : {s['skipped']} / {s['rollbacks']}")
     if s["clipped"]:
         _echo(f"clipped steps       : {s['clipped']}")

@@ -334,7 +334,8 @@ def test_compare_shows_spike_scores_and_incident_counts(tmp_path, capsys):
     a = write_run(tmp_path / "a", run_id="ra")
     b = write_run(tmp_path / "b", run_id="rb", clip_steps=())
     t = compare_table({"a": load_run(a), "b": load_run(b)})
-    assert {"incidents", "spikes", "nonfinite", "clipped", "spike_score_loss", "spike_score_grad_norm"} <= set(t.columns)
+    assert {"incidents", "spikes", "nonfinite", "clipped", "spike_score_loss",
+            "spike_score_grad_norm"} <= set(t.columns)
     assert t.loc["a", "incidents"] == 3 and t.loc["a", "clipped"] == 2 and t.loc["b", "clipped"] == 0
     assert cli_main(["compare", str(a), str(b), "-o", str(tmp_path / "cmp")]) == 0
     out = capsys.readouterr().out

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -679,7 +678,8 @@ class _RunBuilder:
 
         frows = col(self.frows, np.float64).reshape(-1, len(_SUMMARY_FLOATS))
         irows = col(self.irows, np.int64).reshape(-1, 3 + len(_SUMMARY_INTS))
-        cols: Dict[str, Any] = {k: irows[:, i].copy() for i, k in enumerate(("step", "rank", "segment") + _SUMMARY_INTS)}
+        int_names = ("step", "rank", "segment") + _SUMMARY_INTS
+        cols: Dict[str, Any] = {k: irows[:, i].copy() for i, k in enumerate(int_names)}
         cols.update({k: frows[:, i].copy() for i, k in enumerate(_SUMMARY_FLOATS)})
         cols["max_ratio_layer"] = cat(self.layer_codes)
         order = ["step", "time", "global_norm", "max_ratio", "max_ratio_layer", "loss", "lr", "threshold",
@@ -878,7 +878,8 @@ def _iter_report(path: Path, problems: List[Problem], max_line_bytes: int) -> It
         problems.append(Problem(str(path), 1, f"unreadable spike report skipped: {exc}"))
         return
     if not isinstance(report, dict):
-        problems.append(Problem(str(path), 1, f"spike report is JSON {_type_name(report)}, expected an object: skipped"))
+        problems.append(Problem(str(path), 1, f"spike report is JSON {_type_name(report)}, expected an object: "
+                                              "skipped"))
         return
     if not _version_ok(report, path, 1, problems):
         return

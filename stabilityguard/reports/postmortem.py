@@ -18,7 +18,7 @@ _MD_SPECIAL = re.compile(r"([\\`*_\[\]|#~$])")
 
 
 def md_escape(text: Any) -> str:
-    """Escape a string from a log for markdown text and table cells: it is data, never markup.
+    r"""Escape a string from a log for markdown text and table cells: it is data, never markup.
 
     HTML is entity-escaped and the characters that start markdown markup (and ``|``, which splits a
     table cell, and ``$``, which starts math on GitHub) are backslash-escaped; newlines become spaces.
@@ -444,7 +444,8 @@ def postmortem_markdown(
                 out.append(f"  - step {r['step']}{seg}: {what}; action: {action}; loss {_fmt(r['loss'])}{ranks}")
         if len(groups) > max_clusters:
             rest = sum(len(c) for c in groups[max_clusters:])
-            out.append(f"- ... {len(groups) - max_clusters} more clusters ({rest} incidents); the event log has them all")
+            out.append(f"- ... {len(groups) - max_clusters} more clusters ({rest} incidents); "
+                       "the event log has them all")
         out.append("")
         for _, a in run.actions[run.actions["action"] == "rollback"].head(per_cluster).iterrows():
             out.append(f"- step {a['step']}: rolled back to the state before step {a['rollback_to_step']}")
