@@ -100,6 +100,12 @@ class GuardConfig:
     flight_recorder_steps: int = 64
     """Steps of per-step numbers (global norm, loss, LR, max ratio, action) attached to every incident."""
 
+    track_update_size: bool = False
+    """Measure the RMS of each accepted step's parameter change (an early signal of instabilities, in the
+    flight recorder and the summaries' ``update_rms_mean``). Computed on the device and read in the next
+    step's one transfer (no extra sync), but it costs a copy of the parameters and two passes over them
+    per step, hence off by default."""
+
     rollback_interval: int = 100
     """With ``nan_action="rollback"``: accepted steps between snapshots of model and optimizer state."""
 
@@ -187,6 +193,12 @@ class GuardConfig:
     """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
     same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
 
+    ddp_origin_hook: bool = True
+    """Under DDP (the model passed to the guard is a ``DistributedDataParallel`` and ``sync_ranks``):
+    register a communication hook that measures each rank's gradients before the all-reduce, so NaN/Inf
+    and spike events say which rank they came from (``origin_ranks``). Costs one extra read of the
+    gradients per step; DDP takes one hook only, so set ``False`` to register your own."""
+
     log_ranks: str = "zero"
     """Which ranks write the console, JSONL, spike-report and extra sinks: ``"zero"`` (rank 0 only) or
     ``"all"`` (every rank, with per-rank file names ``events-{run_id}.rank{r}.jsonl``)."""
@@ -221,6 +233,8 @@ class GuardConfig:
         _check_int("level_shift_steps", self.level_shift_steps, low=1)
         _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
         _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1)
+        if not isinstance(self.track_update_size, bool):
+            raise ConfigError(f"track_update_size must be True or False; got {self.track_update_size!r}")
         _check_int("rollback_interval", self.rollback_interval, low=1)
         if not isinstance(self.snapshot_device, str):
             raise ConfigError(
@@ -269,6 +283,8 @@ class GuardConfig:
                 f"eos_hvp must be one of {', '.join(repr(a) for a in EOS_HVP_MODES)}; got {self.eos_hvp!r}"
             )
         _check_number("eos_warning_ratio", self.eos_warning_ratio, low=0.0, low_inclusive=False)
+        if not isinstance(self.ddp_origin_hook, bool):
+            raise ConfigError(f"ddp_origin_hook must be True or False; got {self.ddp_origin_hook!r}")
         if not isinstance(self.sync_ranks, bool):
             raise ConfigError(f"sync_ranks must be True or False; got {self.sync_ranks!r}")
         if self.log_ranks not in LOG_RANKS:

@@ -33,7 +33,7 @@ from .features.spam import MomentumReset
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
 from .recorder import FlightRecorder, SummaryWindow
 from .sinks import ConsoleSink, JsonlSink, Sink, SinkDispatcher, SpikeReportSink
-from .stats import GradStats, GradStatsCollector, ParamIndex, nonfinite_layers
+from .stats import GradStats, GradStatsCollector, OriginProbe, ParamIndex, nonfinite_layers, origin_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.counters = GuardCounters()
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
+        self._skip_reason: Optional[str] = None
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
         self._policy: Optional[GuardPolicy] = None
@@ -164,6 +165,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if writes and config.verbose:
             built_in.append(ConsoleSink(reports=reports))
         self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
+        self._origin = self._register_origin_probe(model)
         self._build_index()
 
         self._spam: Optional[MomentumReset] = None
@@ -213,7 +215,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         idx = ParamIndex.build(self.model, self.param_groups)
         n_l = idx.n_layers
         self._index = idx
-        self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks)
+        self._numel = sum(p.numel() for p in idx.params)
+        self._update_of = -1  # the step whose update size the collector carries
+        self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks, origin=self._origin)
         self._names = list(idx.layer_names) + list(idx.param_names)
         self._layer_params: Dict[str, List[torch.Tensor]] = {}
         for p, layer in zip(idx.params, idx.layer_of_param.tolist()):
@@ -257,6 +261,22 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 self._rollback.track(named)
             self._rollback.snapshot(self.counters.steps)  # a clean state that covers every parameter
 
+    def _register_origin_probe(self, model: Optional[torch.nn.Module]) -> Optional[OriginProbe]:
+        """Under DDP (world > 1, ``sync_ranks``): a communication hook that tells which rank's local
+        gradients were non-finite or spiking before the all-reduce (``origin_ranks`` in the events)."""
+        cfg = self.config
+        if not (cfg.ddp_origin_hook and cfg.sync_ranks and _world() > 1
+                and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
+            return None
+        probe = OriginProbe()
+        try:
+            model.register_comm_hook(None, probe.hook)
+        except RuntimeError as exc:  # DDP takes one hook: the user's own is already there
+            logger.warning("stabilityguard: cannot register the DDP origin hook (%s); events will not say which "
+                           "rank an incident came from", exc)
+            return None
+        return probe
+
     @property
     def _detector(self) -> Any:
         assert self._policy is not None
@@ -287,10 +307,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Zero the gradients (delegates to the wrapped optimizer)."""
         self.base_optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_sink(self, sink: Sink) -> None:
-        """Attach one more sink (ignored on ranks that do not write, see ``log_ranks``)."""
-        if self._writes:
+    def add_sink(self, sink: Sink, *, all_ranks: bool = False) -> None:
+        """Attach one more sink (ignored on ranks that do not write, see ``log_ranks``, unless
+        ``all_ranks``: for sinks that record per-rank data, such as the refused-batch records)."""
+        if self._writes or all_ranks:
             self.dispatcher.add(sink)
+
+    def skip_next_step(self, reason: str = "recorded_batch") -> None:
+        """Refuse the next ``step()`` without looking at it: its gradients are discarded, weights, optimizer
+        state and owned buffers stay as they are, it counts as skipped and an ``action`` record with this
+        ``reason`` is written; baselines and the detector are not touched. For callbacks that skip a batch
+        known to be bad (the refused-batch records of a resumed run).
+
+        Example:
+            >>> optimizer.skip_next_step("recorded_batch")  # doctest: +SKIP
+            >>> optimizer.step()  # skipped  # doctest: +SKIP
+        """
+        if not isinstance(reason, str) or not reason:
+            raise ConfigError(f"reason must be a non-empty string; got {reason!r}")
+        self._skip_reason = reason
 
     @property
     def guard_step(self) -> int:
@@ -370,12 +405,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._measured = self._collector.collect(loss)
         return self._measured
 
+    def _skip_requested(self, reason: str) -> None:
+        step = self.counters.steps
+        self._skip_reason, self._measured, self._pending_loss = None, None, None
+        skip_step(self.base_optimizer)
+        self._buffers.restore()
+        self.counters.skipped += 1
+        self.counters.steps = step + 1
+        self._events.action(step, action="skip", reason=reason)
+        self._buffers.mark()
+
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                loss = closure()  # may call skip_next_step (framework hooks run inside the closure)
         elif loss is None:
             loss = self._pending_loss
+        if self._skip_reason is not None:
+            self._skip_requested(self._skip_reason)
+            return loss
         self._pending_loss = None
         step = self.counters.steps
         self._clip_input = None
@@ -383,6 +431,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if stats is None:
             stats = self._collector.collect(loss)
         self.last_stats = stats
+        if stats.ridden is not None:  # the previous accepted step's update size
+            rms = math.sqrt(max(stats.ridden, 0.0) / max(self._numel, 1))
+            self.recorder.set_update_rms(self._update_of, rms)
+            self._window.add_update(rms)
         if self._eos is not None:
             self._observe_eos(step, stats, closure)
         error: Optional[GradientSpikeError] = None
@@ -481,15 +533,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 layer_norms = [v * coef for v in layer_norms]
         if self._clipper is not None and not monitor and self._clipper.apply(layer_norms):
             self._clip_input = layer_norms
+        before = None
+        if self.config.track_update_size:
+            with torch.no_grad():
+                before = torch._foreach_mul(self._index.params, 1.0)  # a copy of the parameters
         if self._spam is not None:
             self._spam.step()  # the LR factor is applied around the wrapped step only
         else:
             self.base_optimizer.step()
+        if before is not None:  # RMS of the parameter change: on the device, read in the next transfer
+            with torch.no_grad():
+                torch._foreach_sub_(before, self._index.params)
+                self._collector.rider = torch.stack(torch._foreach_norm(before)).square().sum()
+            self._update_of = step
         self.counters.accepted += 1
         if self._rollback is not None:
             self._rollback.after_accepted_step(step + 1)
         if decision is not None:
-            self._record(step, stats, decision.max_ratio, decision.max_index, record, refused=False)
+            self._record(step, stats, decision.max_ratio, decision.max_index, record, refused=False,
+                         loss_z=verdict.loss_z if verdict is not None else None)
 
     def _scale_layers(self, factors: List[float]) -> None:
         """Multiply each scaled layer's gradients by its factor (one foreach call, no sync)."""
@@ -499,10 +561,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if pairs:
             torch._foreach_mul_([g for g, _ in pairs], [f for _, f in pairs])
 
-    def _record(self, step: int, stats: GradStats, ratio: float, index: int, action: str, refused: bool) -> None:
+    def _record(self, step: int, stats: GradStats, ratio: float, index: int, action: str, refused: bool,
+                loss_z: Optional[float] = None) -> None:
         layer = self._names[index] if index >= 0 else None
         lr = self.param_groups[0].get("lr") if self.param_groups else None
-        self.recorder.record(step, stats.global_norm, stats.loss, lr, ratio if index >= 0 else None, layer, action)
+        self.recorder.record(step, stats.global_norm, stats.loss, lr, ratio if index >= 0 else None, layer, action,
+                             loss_z)
         self._window.add(stats.global_norm, stats.loss, ratio, layer, refused)
 
     def _calibrate(self, step: int, ratios: List[float]) -> None:
@@ -532,7 +596,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.recorder.incident(step)
         event = self._events.incident(
             nonfinite, step, stats.values, stats.present, before, action=action, loss=json_float(stats.loss),
-            global_norm=json_float(stats.global_norm), window=self.recorder.window(), **fields,
+            global_norm=json_float(stats.global_norm), window=self.recorder.window(),
+            origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields,
         )
         reason = event.kind.value
         self._events.action(step, action=action, reason=reason, layer=event.layer, rollback_to_step=rollback_to,
@@ -573,8 +638,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if after is not None:
                 post = math.sqrt(sum(v * v for v in after))
                 clipped = sum(1 for a, b in zip(after, self._clip_input) if a < b)
-        window = self._window.fields()
-        self._window.reset()
+        window = self._window.close()
         self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm),
                              loss=json_float(stats.loss), lr=json_float(lr), threshold=self.config.spike_threshold,
                              post_clip_global_norm=json_float(post), clipped_layers=clipped, **window)

@@ -121,6 +121,9 @@ class GradStats:
         n_layers: How many of ``values`` are layers.
         global_norm: L2 norm over all gradients (NaN/Inf when any gradient is).
         loss: The loss handed to the guard, as a float (``None`` when none was given).
+        rank_sq_norms: Under DDP with an :class:`OriginProbe`: each rank's squared gradient norm before
+            the all-reduce (NaN/Inf for a rank whose local gradients were non-finite).
+        ridden: The value of :attr:`GradStatsCollector.rider` read in this transfer (``None``: no rider).
     """
 
     values: List[float]
@@ -128,6 +131,8 @@ class GradStats:
     n_layers: int
     global_norm: float
     loss: Optional[float]
+    rank_sq_norms: Optional[List[float]] = None  # DDP: each rank's squared local norm before the reduce
+    ridden: Optional[float] = None  # the collector's rider, read in the same transfer
 
     @property
     def layer_norms(self) -> List[float]:
@@ -176,12 +181,20 @@ class GradStatsCollector:
         2.0
     """
 
-    def __init__(self, index: ParamIndex, *, process_group: Any = None, sync_ranks: bool = True) -> None:
+    def __init__(self, index: ParamIndex, *, process_group: Any = None, sync_ranks: bool = True,
+                 origin: Optional["OriginProbe"] = None) -> None:
         self.index = index
         self.process_group = process_group
         self._world = 1
+        self._rank = 0
         if sync_ranks and torch.distributed.is_available() and torch.distributed.is_initialized():
             self._world = torch.distributed.get_world_size(process_group)
+            self._rank = torch.distributed.get_rank(process_group)
+        #: DDP only: the communication-hook probe of each rank's local gradients before the all-reduce.
+        self.origin = origin if self._world > 1 else None
+        #: A device scalar computed after the previous step (the update size), read in this step's one
+        #: transfer instead of a sync of its own; handed back as :attr:`GradStats.ridden`.
+        self.rider: Optional[torch.Tensor] = None
         self._weights: Optional[torch.Tensor] = None  # per-entry weights of the cross-rank sum
         self._n_layers = index.n_layers
         self._members: List[List[int]] = [[] for _ in range(index.n_layers)]
@@ -224,13 +237,18 @@ class GradStatsCollector:
             norms = [*norms, lt]
         elif loss is not None:
             loss_val = float(loss)
+        rider, self.rider = self.rider, None
+        if rider is not None:
+            norms = [*norms, rider.to(device=norms[0].device, dtype=norms[0].dtype)]
         # The one device->host transfer (a sync on accelerators) of the step.
         host = torch.stack(norms).tolist()
+        ridden = host.pop() if rider is not None else None  # appended last
         if with_loss:
             loss_val = host.pop()
-        return self._finish(host, None, loss_val)
+        return self._finish(host, None, loss_val, ridden)
 
-    def _finish(self, param_norms: List[float], param_present: Optional[List[bool]], loss: Optional[float]) -> GradStats:
+    def _finish(self, param_norms: List[float], param_present: Optional[List[bool]], loss: Optional[float],
+                ridden: Optional[float] = None) -> GradStats:
         sq = [v * v for v in param_norms]
         layer_sq = [sum([sq[i] for i in members]) for members in self._members]
         values = [math.sqrt(v) for v in layer_sq]
@@ -238,7 +256,7 @@ class GradStatsCollector:
         present = None
         if param_present is not None:
             present = [any(param_present[i] for i in members) for members in self._members] + param_present
-        return GradStats(values, present, self._n_layers, math.sqrt(sum(layer_sq)), loss)
+        return GradStats(values, present, self._n_layers, math.sqrt(sum(layer_sq)), loss, ridden=ridden)
 
     @torch.no_grad()
     def _collect_general(self, grads: List[Optional[torch.Tensor]], loss: LossLike) -> GradStats:
@@ -273,18 +291,25 @@ class GradStatsCollector:
             pieces.append(lt if first_device is None else lt.to(first_device))
         elif loss is not None:
             loss_val = float(loss)
+        rider, self.rider = self.rider, None
+        if rider is not None:
+            piece = rider.double().reshape(1).to(first_device or rider.device)
+            pieces.insert(len(pieces) - 1 if with_loss else len(pieces), piece)  # before the loss
         n_params = self.index.n_params
         param_norms = [0.0] * n_params
         param_present = [False] * n_params
+        ridden = None
         if pieces:
             # The one device->host transfer (a sync on accelerators) of the step.
             host = torch.cat(pieces).tolist()
             if with_loss:
                 loss_val = host.pop()
+            if rider is not None:
+                ridden = host.pop()
             for pos, v in zip(order, host):
                 param_norms[pos] = v
                 param_present[pos] = True
-        return self._finish(param_norms, param_present, loss_val)
+        return self._finish(param_norms, param_present, loss_val, ridden)
 
 
     @torch.no_grad()
@@ -328,14 +353,26 @@ class GradStatsCollector:
             loss_val = float(loss)  # a Python float is this rank's own loss
         red = vec * vec * self._weights
         red[n] = vec[n] / self._world
+        probe = self.origin
+        if probe is not None:  # each rank's local pre-reduce squared norm in its own slot of the same vector
+            slots = torch.zeros(self._world, dtype=torch.float32, device=device)
+            slots[self._rank] = probe.take(device)
+            red = torch.cat([red, slots])
         torch.distributed.all_reduce(red, group=self.process_group)  # the one collective of the step
         red[:n].sqrt_()
+        rider, self.rider = self.rider, None
+        if rider is not None:  # this rank's own value (replicas agree; under FSDP2 the local shard's)
+            red = torch.cat([red, rider.to(device=device, dtype=red.dtype).reshape(1)])
         host = red.tolist()  # the one device->host transfer of the step
+        ridden = host.pop() if rider is not None else None
         if with_loss:
             loss_val = host[n]
         norms_host = host[:n]
         present = [v != 0.0 for v in norms_host]  # NaN != 0: a non-finite gradient is present
-        return self._finish(norms_host, present, loss_val)
+        stats = self._finish(norms_host, present, loss_val, ridden)
+        if probe is not None:
+            stats.rank_sq_norms = host[n + 1:]
+        return stats
 
     def _entry_weights(self, grads: List[Optional[torch.Tensor]]) -> torch.Tensor:
         device = next((g.device for g in grads if g is not None), self.index.params[0].device)
@@ -347,6 +384,62 @@ class GradStatsCollector:
                                                      for pl in placements)
             w.append(1.0 if sharded else 1.0 / self._world)
         return torch.tensor(w + [1.0], dtype=torch.float32, device=device)
+
+
+class OriginProbe:
+    """A DDP communication hook that measures each rank's local gradients before they are averaged.
+
+    Under DDP a NaN produced on one rank reaches every rank through the gradient all-reduce, so after
+    backward nobody can tell where it started. The hook adds, per bucket, the squared norm of the local
+    bucket to a device scalar (one read of the gradients, no host sync) and then runs DDP's usual
+    all-reduce (``allreduce_hook``: divide by the world size, sum). The guard sends each rank's value in
+    its own slot of the step's one all-reduce, so every rank knows every rank's local norm.
+
+    Example:
+        >>> probe = OriginProbe()  # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(None, probe.hook)  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._sq: Optional[torch.Tensor] = None
+
+    def hook(self, process_group: Any, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        buf = bucket.buffer()
+        sq = torch.linalg.vector_norm(buf, dtype=torch.float32).square()  # NaN/Inf propagate
+        self._sq = sq if self._sq is None else self._sq + sq
+        return allreduce_hook(process_group, bucket)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """This step's local squared norm (0 when no bucket was reduced), and reset for the next step."""
+        sq, self._sq = self._sq, None
+        return torch.zeros((), device=device) if sq is None else sq.to(device)
+
+
+# DDP compares the hook's annotations with real classes; this module's annotations are strings.
+OriginProbe.hook.__annotations__ = {}
+
+
+def origin_ranks(rank_sq_norms: Optional[Sequence[float]], nonfinite: bool) -> Optional[List[int]]:
+    """Ranks where a problem started: non-finite local gradients (for NaN/Inf), or local norms over
+    twice the lower median of all ranks' (for a spike). ``None`` when unknown.
+
+    Example:
+        >>> origin_ranks([1.0, float("nan")], nonfinite=True)
+        [1]
+        >>> origin_ranks([1e6, 1.0, 1.2], nonfinite=False)
+        [0]
+    """
+    if not rank_sq_norms:
+        return None
+    norms = [math.sqrt(v) if v >= 0 else v for v in rank_sq_norms]  # NaN stays NaN
+    bad = [r for r, v in enumerate(norms) if not math.isfinite(v)]
+    if nonfinite or bad:
+        return bad
+    ordered = sorted(norms)
+    ref = ordered[(len(ordered) - 1) // 2]
+    return [r for r, v in enumerate(norms) if v > 2.0 * ref]
 
 
 def nonfinite_layers(stats: GradStats, index: ParamIndex) -> List[Tuple[str, str]]:

@@ -58,6 +58,30 @@ def ddp(out: Path, rank: int, world: int, sync_ranks: bool = True, log_ranks: st
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
+def ddp_origin(out: Path, rank: int, world: int) -> dict:
+    """DDP; the rank's own forward goes wrong before the all-reduce: a NaN loss on rank 1 at step 12, a
+    x1000 loss on rank 0 at step 15. Every rank skips both; the events say where each started."""
+    model = _model()
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = GuardedOptimizer(torch.optim.AdamW(ddp_model.parameters(), lr=3e-3), ddp_model, verbose=False,
+                           log_dir=out / "logs", log_every=5)
+    data = MarkovData(vocab_size=32, seed=rank)
+    for step in range(20):
+        x, y = data.batch(8, 16)
+        loss = torch.nn.functional.cross_entropy(ddp_model(x).reshape(-1, 32), y.reshape(-1))
+        if step == 12 and rank == 1:
+            loss = loss * float("nan")
+        if step == 15 and rank == 0:
+            loss = loss * 1000.0
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    opt.close()
+    c = opt.counters
+    return {"rank": rank, "digest": _digest(model), "skipped": c.skipped, "spikes": c.spikes,
+            "nonfinite": c.nonfinite, "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
 def fsdp(out: Path, rank: int, world: int) -> dict:
     """FSDP2 (fully_shard) on CPU; x1000 in one layer at step 10; compared with an unsharded replica."""
     from torch.distributed.fsdp import fully_shard
@@ -125,6 +149,7 @@ SCENARIOS = {
     "ddp_nosync": lambda out, rank, world: ddp(out, rank, world, sync_ranks=False),
     "ddp_allranks": lambda out, rank, world: ddp(out, rank, world, log_ranks="all"),
     "fsdp": fsdp,
+    "ddp_origin": ddp_origin,
 }
 
 

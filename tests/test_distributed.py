@@ -36,6 +36,20 @@ def test_ddp_rank_local_faults_make_every_rank_skip(tmp_path):
         ("nonfinite", 12), ("spike", 15)]
 
 
+def test_ddp_events_name_the_rank_where_the_fault_started(tmp_path):
+    r0, r1 = launch(tmp_path, "ddp_origin")
+    for r in (r0, r1):
+        assert (r["nonfinite"], r["spikes"], r["skipped"]) == (1, 1, 2) and r["finite"]
+    assert r0["digest"] == r1["digest"]
+    (log,) = (tmp_path / "logs").glob("events-*.jsonl")
+    incidents = [json.loads(x) for x in log.read_text().splitlines()]
+    incidents = {e["step"]: e for e in incidents if e["kind"] in ("spike", "nonfinite")}
+    assert incidents[12]["kind"] == "nonfinite" and incidents[12]["origin_ranks"] == [1]
+    assert incidents[15]["kind"] == "spike" and incidents[15]["origin_ranks"] == [0]
+    report = json.loads((tmp_path / "logs" / "spike_step12.json").read_text())
+    assert report["origin_ranks"] == [1]
+
+
 def test_without_rank_sync_replicas_fork(tmp_path):
     r0, r1 = launch(tmp_path, "ddp_nosync")
     assert (r0["skipped"], r1["skipped"]) == (1, 1)  # each rank only saw its own fault...

@@ -65,7 +65,7 @@ def test_resumed_run_takes_the_same_decisions_and_ends_with_the_same_weights(tmp
     a, b = cb_full.guard.counters, cb_resumed.guard.counters
     fields = ("steps", "accepted", "spikes", "nonfinite", "skipped")
     assert [getattr(b, f) for f in fields] == [getattr(a, f) for f in fields]
-    assert cb_resumed.guard.guard_state_dict()["detector"] == cb_full.guard.guard_state_dict()["detector"]
+    assert cb_resumed.guard.guard_state_dict()["policy"] == cb_full.guard.guard_state_dict()["policy"]
     assert finite(resumed) and digest(resumed) == digest(full)  # bit for bit: the CPU Trainer resumes exactly
 
 

@@ -262,15 +262,11 @@ class RefusedBatchRecorder:
 
 
 def attach_recorder(guard: Any, recorder: RefusedBatchRecorder) -> None:
-    """Attach ``recorder`` on every rank (``add_sink`` ignores ranks that do not write the log)."""
-    dispatcher = getattr(guard, "dispatcher", None)
-    if dispatcher is not None and callable(getattr(dispatcher, "add", None)):
-        sinks = getattr(dispatcher, "sinks", None)
-        if isinstance(sinks, list):  # a guard reused by a later train()/fit(): one recorder only
-            sinks[:] = [s for s in sinks if not isinstance(s, RefusedBatchRecorder)]
-        dispatcher.add(recorder)
-    else:  # pragma: no cover - a guard without a dispatcher attribute
-        guard.add_sink(recorder)
+    """Attach ``recorder`` on every rank (each rank records its own data)."""
+    sinks = getattr(getattr(guard, "dispatcher", None), "sinks", None)
+    if isinstance(sinks, list):  # a guard reused by a later train()/fit(): one recorder only
+        sinks[:] = [s for s in sinks if not isinstance(s, RefusedBatchRecorder)]
+    guard.add_sink(recorder, all_ranks=True)
 
 
 def refused_total(guard: Any) -> int:

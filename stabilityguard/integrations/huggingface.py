@@ -444,8 +444,7 @@ class StabilityGuardCallback(TrainerCallback):
         self.skipped_batches.append(entry)
         logger.warning("stabilityguard: skipping recorded step (epoch %d, batch %s, global step %d): its gradients are "
                        "discarded before the optimizer step", self._epoch, self._step_batch_index, state.global_step)
-        self.guard.zero_grad(set_to_none=True)  # the wrapped step then changes no weight and no state
-        self.guard.observe_loss(None)  # type: ignore[arg-type]
+        self.guard.skip_next_step("recorded_batch")  # discarded, counted as skipped, an action record
 
     def _record_context(self) -> Dict[str, Any]:
         return {

@@ -177,8 +177,7 @@ class StabilityGuardCallback(_pl.Callback):
                                          "global_step": trainer.global_step, "step": guard.counters.steps})
             logger.warning("stabilityguard: skipping recorded step (epoch %d, batch_idx %s): its gradients are "
                            "discarded before the optimizer step", trainer.current_epoch, self._window_start)
-            guard.zero_grad(set_to_none=True)  # the wrapped step then changes no weight and no state
-            guard.measure()
+            guard.skip_next_step("recorded_batch")  # discarded, counted as skipped, an action record
             self._loss = None
             return
         loss, self._loss = self._loss, None  # consumed: a second optimizer (manual optimization) gets its own
