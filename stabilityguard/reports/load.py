@@ -44,13 +44,13 @@ _SUMMARY_INTS = ("steps", "spikes", "nonfinite", "skipped", "rollbacks")
 #: Optional ``step_summary`` fields (schema 1.3/1.5): a column exists when some record knew a value,
 #: ``NaN`` (unknown) in the rows without it.
 _SUMMARY_OPTIONAL = ("window_steps", "global_norm_mean", "global_norm_max", "loss_mean", "loss_max",
-                     "update_rms_mean", "clipped", "would_refuse", "refused_max_ratio",
+                     "update_rms_mean", "loss_trend", "clipped", "would_refuse", "refused_max_ratio",
                      "post_clip_global_norm", "clipped_layers")
 _SUMMARY_KNOWN = frozenset(("schema_version", "kind", "run_id", "step", "rank", "max_ratio_layer")
                            + _SUMMARY_FLOATS + _SUMMARY_INTS)
 _N_SUMMARY_KNOWN = len(_SUMMARY_KNOWN)
 _NAN_ROW = array("d", [float("nan")] * len(_SUMMARY_OPTIONAL))
-_WINDOW_FLOATS = ("global_norm", "loss", "lr", "max_ratio", "update_rms")
+_WINDOW_FLOATS = ("global_norm", "loss", "lr", "max_ratio", "update_rms", "loss_z")
 #: Values of the ``action`` field of a flight-recorder window entry (schema 1.5).
 WINDOW_ACTIONS = ("accepted", "clip", "skip", "rollback", "raise", "monitor")
 _ACTION_CODES = {a: i for i, a in enumerate(WINDOW_ACTIONS)}
@@ -108,7 +108,7 @@ class RunLog:
         windows: Flight-recorder entries around incidents (schema 1.5): incident_step, segment,
             phase (``before``: the incident's ``window``, up to and including the incident step;
             ``after``: its ``flight_record``), step, global_norm, loss, lr, max_ratio,
-            max_ratio_layer, action, update_rms. Empty for older logs.
+            max_ratio_layer, action, update_rms, loss_z (``NaN`` when not recorded). Empty for older logs.
         refused_batches: Rows of ``refused_batches.jsonl`` (step, global_step, epoch, batch_index,
             sample_indices, reason, action, rank, framework), written by the HF / Lightning callbacks.
         segments: One dict per ``run_start`` of the lowest rank (``segment``, ``step``, ``time``): more

@@ -147,6 +147,9 @@ def _window_lines(run: RunLog, step: int, segment: int, trigger: Any) -> List[st
         upd = pre["update_rms"].dropna()
         if len(upd):
             line += f"; update RMS median {_fmt(float(upd.median()))}, last {_fmt(float(upd.iloc[-1]))}"
+        lz = pre["loss_z"].dropna() if "loss_z" in pre.columns else pre["loss"].iloc[:0]
+        if len(lz):
+            line += f"; loss z-score max {_fmt(float(lz.max()))}"
         out.append(line + ".")
         lead = early_signal(before, step)
         out.append(f"- early signal: the grad norm was above 2x its window median for the last {lead} steps "
