@@ -586,8 +586,12 @@ def markdown_to_html(md: str, images: Optional[Dict[str, Path]] = None, title: s
     i = 0
     list_stack: List[str] = []
 
+    open_li: List[bool] = []  # per open list: an <li> is open (a nested list goes inside it)
+
     def close_lists(depth: int = 0) -> None:
         while len(list_stack) > depth:
+            if open_li.pop():
+                body.append("</li>")
             body.append(f"</{list_stack.pop()}>")
 
     while i < len(lines):
@@ -640,7 +644,11 @@ def markdown_to_html(md: str, images: Optional[Dict[str, Path]] = None, title: s
             while len(list_stack) < depth:
                 body.append(f"<{kind}>")
                 list_stack.append(kind)
-            body.append(f"<li>{_inline(m.group(3))}</li>")
+                open_li.append(False)
+            if open_li[-1]:
+                body.append("</li>")
+            body.append(f"<li>{_inline(m.group(3))}")
+            open_li[-1] = True
             i += 1
             continue
         close_lists()
