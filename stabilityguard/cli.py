@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 bad usage, a missing path or an unwritable output; 3 no events found; 4 a log
 that cannot be read (newer schema); 5 an optional package is missing; 1 sync could not deliver
-everything; 6 an internal error (a bug: the message says so; please report it with the log).
+everything; 6 an internal error of ``report``/``summary``/``compare`` (a bug: the message says so;
+please report it with the log).
 
 Lines of a log that could not be used are listed on stderr (``file:line: what``, the first 20) by
 ``report``, ``summary`` and ``compare``; the output is made from the rest.
@@ -21,6 +22,7 @@ from .errors import MissingDependencyError
 
 EXIT_USAGE, EXIT_EMPTY, EXIT_FORMAT, EXIT_MISSING_DEP, EXIT_INTERNAL = 2, 3, 4, 5, 6
 _SHOWN_PROBLEMS = 20
+_REPORT_COMMANDS = ("report", "summary", "compare")
 logger = logging.getLogger(__name__)
 
 
@@ -241,9 +243,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         _echo(f"error: {exc}", file=sys.stderr)
         return EXIT_MISSING_DEP
     except OSError as exc:  # an output directory that cannot be written, a log that vanished
+        if args.command not in _REPORT_COMMANDS:
+            raise
         _echo(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001  (the CLI promises no traceback; the bug is still reported)
+    except Exception as exc:  # noqa: BLE001  (reports promise no traceback; the bug is still reported)
+        if args.command not in _REPORT_COMMANDS:
+            raise
         logger.debug("internal error", exc_info=True)
         _echo(f"error: internal error in stabilityguard ({type(exc).__name__}: {exc}); this is a bug: "
               "please report it with the log", file=sys.stderr)
