@@ -11,7 +11,11 @@ TORCH  ?= torch==2.13.0
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, pinned: an open range would pull a multi-GB CUDA build.
+# torch first, pinned, and only if the environment has none. On Linux x86-64 the PyPI wheel of
+# torch==2.13.0 IS the CUDA build (it pulls the NVIDIA CUDA libraries, several GB); the pin only keeps
+# the version fixed. For a CPU-only build, install it into .venv before running make (make keeps it):
+#   python3 -m venv .venv && .venv/bin/python -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# (or run make with TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
 $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
 	touch $@

@@ -4,7 +4,9 @@ Each method trains its own DDP replica of the same tiny GPT; methods run in inte
 the same shuffled order on both ranks (the collectives need lockstep). Reported on rank 0: median full
 step time relative to plain DDP + AdamW, and the median time of the optimizer phase minus plain's as a
 share of the plain step. "guard" includes the one extra all-reduce of (n_params + 1) floats per step;
-"guard, no rank sync" (sync_ranks=False) isolates what that all-reduce costs.
+"guard, no rank sync" (sync_ranks=False) isolates what that all-reduce costs; "guard-noorigin"
+(ddp_origin_hook=False) isolates the origin hook (a norm of each bucket inside DDP's backward, plus one
+float per rank in the all-reduce): compare the full-step ratios, since the hook runs during backward.
 
 Usage:
   python bench/distributed_overhead.py            # ~2 min on 2 cores
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from stabilityguard import GuardedOptimizer  # noqa: E402
 from stabilityguard.testing import TinyGPT  # noqa: E402
 
-METHODS = ["plain", "guard", "guard-nosync"]
+METHODS = ["plain", "guard", "guard-noorigin", "guard-nosync"]
 
 
 def worker(rank: int, world: int, init: str, rounds: int, block: int, out: str) -> None:
@@ -47,7 +49,8 @@ def worker(rank: int, world: int, init: str, rounds: int, block: int, out: str) 
         model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if m != "plain":
-            opt = GuardedOptimizer(opt, model, log_dir=None, verbose=False, sync_ranks=(m == "guard"))
+            opt = GuardedOptimizer(opt, model, log_dir=None, verbose=False, sync_ranks=(m != "guard-nosync"),
+                                   ddp_origin_hook=(m == "guard"))
         setups[m] = (model, opt)
     full = {m: [] for m in METHODS}
     phase = {m: [] for m in METHODS}

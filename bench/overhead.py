@@ -12,7 +12,10 @@ Methods:
   floor      one torch._foreach_norm over the grads, then AdamW.step()  (the guard's lower bound)
   clip       torch.nn.utils.clip_grad_norm_(params, 1.0), then AdamW.step()
   guard      GuardedOptimizer default config (JSONL log + console on; no spike happens)
-  guard-bare GuardedOptimizer(log_dir=None, verbose=False): detection only
+  guard-bare GuardedOptimizer(log_dir=None, verbose=False): detection, graded response, buffer tracking
+  guard-seed guard-bare with graded_response=False (the original design's decision: spikes only)
+  guard-nobuf guard-bare without the module-buffer tracking (a benchmark-only switch: isolates what
+             restoring BatchNorm statistics after a refused step costs per step)
   guard+helene  guard-bare with enable_helene=True (per-layer clipping from Adam's second moments)
   guard+eos-secant  guard-bare with enable_edge_of_stability=True, eos_method="secant" (curvature along the
              update every 10 steps, no extra passes); only where a block is a multiple of the 10-step
@@ -20,7 +23,7 @@ Methods:
              (extra forward/backward passes) is measured in step-equivalents by bench/eos.py.
 
 Usage:
-  python bench/overhead.py            # all three workloads (~10 min on 2 cores)
+  python bench/overhead.py            # all four workloads (~12 min on 2 cores)
   python bench/overhead.py --quick    # fewer rounds, smaller 25M batch (~2 min)
   python bench/overhead.py --csv out.csv
 """
@@ -46,9 +49,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from stabilityguard import GuardedOptimizer  # noqa: E402
+from stabilityguard.actions import BufferGuard  # noqa: E402
 from stabilityguard.testing import DeepMLP, TinyGPT  # noqa: E402
 
-METHODS = ["plain", "floor", "clip", "guard", "guard-bare", "guard+helene", "guard+eos-secant"]
+METHODS = ["plain", "floor", "clip", "guard", "guard-bare", "guard-seed", "guard-nobuf", "guard+helene",
+           "guard+eos-secant"]
 GUARDS = [m for m in METHODS if m.startswith("guard")]
 
 
@@ -69,7 +74,17 @@ def workloads(quick: bool) -> Dict[str, Callable]:
         batches = [(torch.randn(64, 32), torch.randn(64, 1)) for _ in range(8)]
         return model, batches, lambda m, b: F.mse_loss(m(b[0]), b[1])
 
-    return {"tiny-gpt": tiny, "gpt-25m": gpt25m, "mlp-64": mlp64}
+    def cnn_bn():
+        chans = [3, 32, 64, 64, 128]
+        layers: List[torch.nn.Module] = []
+        for a, b in zip(chans, chans[1:]):
+            layers += [torch.nn.Conv2d(a, b, 3, padding=1), torch.nn.BatchNorm2d(b), torch.nn.ReLU(),
+                       torch.nn.MaxPool2d(2) if b != chans[-1] else torch.nn.Identity()]
+        model = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(128, 10))
+        batches = [(torch.randn(32, 3, 32, 32), torch.randint(10, (32,))) for _ in range(8)]
+        return model, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1])
+
+    return {"tiny-gpt": tiny, "gpt-25m": gpt25m, "mlp-64": mlp64, "cnn-bn": cnn_bn}
 
 
 class Trainer:
@@ -85,6 +100,11 @@ class Trainer:
             self.opt = GuardedOptimizer(base, model, log_dir=log_dir, verbose=True)
         elif method == "guard-bare":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False)
+        elif method == "guard-seed":
+            self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, graded_response=False)
+        elif method == "guard-nobuf":
+            self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False)
+            self.opt._buffers = BufferGuard([])  # benchmark-only: no buffer tracking
         elif method == "guard+helene":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_helene=True)
         elif method == "guard+eos-secant":
@@ -165,7 +185,7 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
 def main(argv=None) -> List[dict]:
     ap = argparse.ArgumentParser(description="guard overhead vs plain AdamW, side by side")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", nargs="*", help="workloads to run (tiny-gpt, gpt-25m, mlp-64)")
+    ap.add_argument("--only", nargs="*", help="workloads to run (tiny-gpt, gpt-25m, mlp-64, cnn-bn)")
     ap.add_argument("--csv", help="also write the rows to this CSV file")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -174,6 +194,7 @@ def main(argv=None) -> List[dict]:
         "tiny-gpt": (30, 20, 30) if not args.quick else (10, 10, 20),
         "gpt-25m": (8, 3, 3) if not args.quick else (4, 2, 2),
         "mlp-64": (30, 20, 30) if not args.quick else (10, 10, 20),
+        "cnn-bn": (20, 10, 20) if not args.quick else (6, 10, 20),
     }
     rows: List[dict] = []
     for name, make in workloads(args.quick).items():
@@ -194,6 +215,9 @@ def main(argv=None) -> List[dict]:
         limit = max(1.5 * floor, floor + 1.5)
         print(f"{name}: guard {guard:+.2f}% vs clip_grad_norm_ {clip:+.2f}% and limit max(1.5 x floor, floor + 1.5) "
               f"= {limit:.2f}% -> {'OK' if guard < clip and guard <= limit else 'OVER TARGET'}")
+        bare, nobuf, seed = (by[m]["added_pct_of_step"] for m in ("guard-bare", "guard-nobuf", "guard-seed"))
+        print(f"{name}: buffer tracking {bare - nobuf:+.2f} points (target <= +0.5), graded response "
+              f"{bare - seed:+.2f} points over the original decision")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

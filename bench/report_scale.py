@@ -1,13 +1,15 @@
 """How fast the report module reads a big event log, and how much memory it needs.
 
-Writes a synthetic log of N step summaries and M spikes (each spike with the norms and baselines of
-L layers and their parameters, like the guard writes), then times: load_run, severity_table,
-layer_ranking, postmortem_markdown, and the plots. Peak memory is the process's maximum resident set
+Writes a synthetic schema-1.5 log of N step summaries (with the window aggregates) and M spikes (each
+spike with the norms and baselines of L layers and their parameters and its 64-step flight-recorder
+window, like the guard writes), then times: load_run, severity_table, layer_ranking,
+postmortem_markdown, the plots (timeline, heatmap, 8 incident close-ups) and the HTML page. Peak memory is the process's maximum resident set
 size (it includes Python, numpy and pandas themselves: the baseline is printed too).
 
 Usage:
   python bench/report_scale.py                       # 1,000,000 summaries, 10,000 spikes, 48 layers
   python bench/report_scale.py --summaries 100000 --spikes 1000
+  python bench/report_scale.py --window 0 --no-aggregates   # a schema-1.4 style log, for comparison
 """
 
 from __future__ import annotations
@@ -28,14 +30,26 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def write_log(path: str, summaries: int, spikes: int, layers: int, seed: int = 0) -> None:
+def _window(rng: random.Random, step: int, names: list, size: int) -> list:
+    """The flight recorder's window of a spike (schema 1.5): ``size`` steps up to and including it."""
+    out = []
+    for s in range(max(0, step - size + 1), step + 1):
+        g = 1 + rng.random()
+        out.append({"step": s, "global_norm": g, "loss": 2.0, "lr": 0.001, "max_ratio": 1 + rng.random(),
+                    "max_ratio_layer": names[s % len(names)], "action": "accepted" if s < step else "skip",
+                    "update_rms": 0.001 * g})
+    return out
+
+
+def write_log(path: str, summaries: int, spikes: int, layers: int, seed: int = 0, window: int = 64,
+              aggregates: bool = True) -> None:
     rng = random.Random(seed)
     names = [f"model.layers.{i}.mlp.down_proj" for i in range(layers)]
     spike_steps = set(rng.sample(range(summaries), spikes))
     rid = "scale-run"
-    head = f'{{"schema_version":"1.0","kind":"%s","run_id":"{rid}","step":%d,"time":%.3f,"rank":0,'
+    head = f'{{"schema_version":"1.5","kind":"%s","run_id":"{rid}","step":%d,"time":%.3f,"rank":0,'
     with open(path, "w") as f:
-        f.write(json.dumps({"schema_version": "1.0", "kind": "run_start", "run_id": rid, "step": 0, "time": 0.0,
+        f.write(json.dumps({"schema_version": "1.5", "kind": "run_start", "run_id": rid, "step": 0, "time": 0.0,
                             "rank": 0, "config": {"spike_threshold": 10.0, "log_every": 1}, "optimizer": "AdamW",
                             "n_params": 2 * layers, "n_layers": layers, "layer_names": names}) + "\n")
         spikes_done = 0
@@ -49,13 +63,21 @@ def write_log(path: str, summaries: int, spikes: int, layers: int, seed: int = 0
                 rec = {"layer": layer, "ratio": ratio, "grad_norm": ratio, "baseline": 1.0, "threshold": 10.0,
                        "action": "skip", "loss": 2.0, "global_norm": ratio, "spike_layers": {layer: ratio},
                        "layer_norms": norms, "ema_baselines": {n: 1.0 for n in norms}, "nan_layers": []}
+                if window:
+                    rec["window"] = _window(rng, step, names, window)
+                    rec["origin_ranks"] = None
                 f.write(head % ("spike", step, step * 0.1) + json.dumps(rec)[1:] + "\n")
                 spikes_done += 1
-            f.write(head % ("step_summary", step, step * 0.1)
+            g = 1 + rng.random()
+            line = (head % ("step_summary", step, step * 0.1)
                     + '"global_norm":%.6f,"max_ratio":%.4f,"max_ratio_layer":"%s","loss":%.5f,"lr":0.001,'
-                      '"threshold":10.0,"steps":%d,"spikes":%d,"nonfinite":0,"skipped":%d,"rollbacks":0}\n'
-                    % (1 + rng.random(), 1 + rng.random(), names[step % layers], 2.0, step + 1, spikes_done,
-                       spikes_done))
+                      '"threshold":10.0,"steps":%d,"spikes":%d,"nonfinite":0,"skipped":%d,"rollbacks":0'
+                    % (g, 1 + rng.random(), names[step % layers], 2.0, step + 1, spikes_done, spikes_done))
+            if aggregates:  # schema 1.5: aggregates over the summary window (one step here: log_every=1)
+                line += (',"window_steps":1,"global_norm_mean":%.6f,"global_norm_max":%.6f,"loss_mean":2.0,'
+                         '"loss_max":2.0,"update_rms_mean":%.6f,"clipped":0,"would_refuse":0,'
+                         '"refused_max_ratio":null,"refused_max_ratio_layer":null' % (g, g, 0.001 * g))
+            f.write(line + "}\n")
 
 
 def main(argv=None) -> dict:
@@ -63,6 +85,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--summaries", type=int, default=1_000_000)
     ap.add_argument("--spikes", type=int, default=10_000)
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--window", type=int, default=64, help="flight-recorder steps per spike (0: none)")
+    ap.add_argument("--no-aggregates", action="store_true", help="summaries without the schema-1.5 aggregates")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     from stabilityguard.reports import layer_ranking, load_run, postmortem_markdown, severity_table
@@ -70,7 +94,8 @@ def main(argv=None) -> dict:
     tmp = tempfile.mkdtemp(prefix="sg-scale-")
     path = os.path.join(tmp, "events-scale-run.jsonl")
     t0 = time.perf_counter()
-    write_log(path, args.summaries, args.spikes, args.layers)
+    write_log(path, args.summaries, args.spikes, args.layers, window=args.window,
+              aggregates=not args.no_aggregates)
     size = os.path.getsize(path) / 1e6
     base_rss = rss_mb()
     timings = {"write (not part of the report)": time.perf_counter() - t0}
@@ -85,22 +110,32 @@ def main(argv=None) -> dict:
     postmortem_markdown(run)
     timings["postmortem_markdown"] = time.perf_counter() - t
     if not args.no_plots:
-        from stabilityguard.reports.plots import heatmap_plot, timeline_plot
+        from stabilityguard.reports.plots import heatmap_plot, incident_plot, timeline_plot
+        from stabilityguard.reports.postmortem import _closeup_steps, markdown_to_html
 
         t = time.perf_counter()
-        timeline_plot(run, os.path.join(tmp, "timeline.png"))
-        heatmap_plot(run, os.path.join(tmp, "heatmap.png"))
-        timings["plots"] = time.perf_counter() - t
+        images = {"timeline": timeline_plot(run, os.path.join(tmp, "timeline.png")),
+                  "heatmap": heatmap_plot(run, os.path.join(tmp, "heatmap.png"))}
+        timings["plots (timeline, heatmap)"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for step, seg in _closeup_steps(run, 8):
+            images[f"incident_{step}"] = incident_plot(run, step, os.path.join(tmp, f"incident_{step}.png"), seg)
+        timings["incident close-ups (8)"] = time.perf_counter() - t
+        t = time.perf_counter()
+        md = postmortem_markdown(run, {k: os.path.basename(p) for k, p in images.items()})
+        markdown_to_html(md, images)
+        timings["postmortem.html (images inlined)"] = time.perf_counter() - t
     total = sum(v for k, v in timings.items() if not k.startswith("write"))
-    print(f"# report scale: {args.summaries:,} step summaries, {len(run.incidents):,} spikes, {args.layers} layers, "
-          f"log {size:.0f} MB")
+    print(f"# report scale: {args.summaries:,} step summaries, {len(run.incidents):,} spikes "
+          f"({args.window}-step windows: {len(run.windows):,} rows), {args.layers} layers, log {size:.0f} MB"
+          + ("" if not args.no_aggregates else ", summaries without aggregates"))
     print("| phase | seconds |")
     print("|---|---:|")
     for k, v in timings.items():
         print(f"| {k} | {v:.2f} |")
     print(f"| **report total** | **{total:.2f}** |")
     print(f"peak RSS {rss_mb():.0f} MB (before loading: {base_rss:.0f} MB)")
-    assert len(run.steps) == args.summaries and len(run.incidents) == args.spikes
+    assert len(run.steps) == args.summaries and len(run.incidents) == args.spikes and not run.problems
     return {"timings": timings, "peak_rss_mb": rss_mb(), "log_mb": size}
 
 

@@ -105,10 +105,15 @@ def main(argv=None) -> dict:
             f"(the language's floor is {data.entropy_rate():.3f}, log(vocab) {math.log(64):.3f}).\n"
             f"Event log and spike reports: {log_dir}/"
         )
+        # Commands as this environment has them (.venv/bin/mlflow works without activating the venv).
+        bindir = __import__("pathlib").Path(__import__("sys").executable).parent
+        tool = {n: (str(bindir / n) if (bindir / n).exists() else n) for n in ("mlflow", "wandb", "python")}
         if (log_dir / "mlflow.db").exists():
-            print(f"MLflow run: mlflow ui --backend-store-uri sqlite:///{(log_dir / 'mlflow.db').resolve()}")
+            print(f"MLflow run: {tool['mlflow']} ui --backend-store-uri sqlite:///{(log_dir / 'mlflow.db').resolve()}"
+                  "  then open http://127.0.0.1:5000")
         if (log_dir / "wandb").exists():
-            print(f"W&B offline run: wandb sync {log_dir / 'wandb'}/offline-run-*")
+            print(f"W&B offline run: {tool['wandb']} sync {log_dir / 'wandb'}/offline-run-*")
+        print(f"Guarded vs unguarded in both trackers: {tool['python']} integrations/compare_runs.py --out runs")
     return result
 
 

@@ -48,3 +48,16 @@ def sqlite_uri(out: Path) -> str:
 
 def artifacts(out: Path) -> str:
     return (out / "mlartifacts").resolve().as_uri()
+
+
+def tool(name: str) -> str:
+    """How to call a console script of this environment (``mlflow``, ``wandb``, ``stabilityguard``): its path
+    next to the running Python when it is there (e.g. ``.venv/bin/mlflow``, which works without activating
+    the virtual environment), else the bare name."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -1,15 +1,24 @@
-"""Train the same tiny GPT twice, unguarded and guarded, with the same faults, into one MLflow
+"""Train the same tiny GPT twice with the same faults, once observe-only (the "unguarded" side: the guard
+records what it would have refused and never intervenes) and once guarded (skip), into one MLflow
 experiment (local sqlite) and W&B offline, for a side-by-side comparison in the trackers' UIs.
 
     python integrations/compare_runs.py --out ./runs
-    mlflow ui --backend-store-uri sqlite:///runs/mlflow.db
+    .venv/bin/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db
+
+What to click in MLflow 3 is in integrations/README.md.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import artifacts, offline_wandb, parser, sqlite_uri
+from _common import artifacts, offline_wandb, parser, sqlite_uri, tool
+
+#: name -> (nan_action, MLflow run colour, tag)
+RUNS = {
+    "unguarded": ("monitor", "#d62728", "off"),   # red: observe-only, every fault reaches the weights
+    "guarded": ("skip", "#2ca02c", "on"),         # green: the guard skips the faulty steps
+}
 
 
 def main(argv=None) -> dict:
@@ -31,34 +40,38 @@ def main(argv=None) -> dict:
     exp_id = exp.experiment_id if exp else client.create_experiment("stabilityguard-compare",
                                                                     artifact_location=artifacts(out))
     results = {}
-    for guarded in (False, True):
-        name = "guarded" if guarded else "unguarded"
-        tags = {"guard": "on" if guarded else "off", "faults": "x1000 spike @150, NaN @220"}
+    for name, (action, colour, guard) in RUNS.items():
+        tags = {"guard": guard, "nan_action": action, "faults": "x1000 spike @150, NaN @220",
+                "mlflow.runColor": colour}
         ml_run = client.create_run(exp_id, run_name=name, tags=tags)
         wb_run = wandb.init(project="stabilityguard-compare", group="compare", name=name, dir=str(out),
-                            config={"guard": guarded}, tags=[tags["guard"]], reinit="create_new")
+                            config={"guard": guard == "on", "nan_action": action}, tags=[f"guard:{guard}"],
+                            reinit="create_new")
+        bridges = [MLflowBridge(uri, run_id=ml_run.info.run_id, close_timeout=120.0), WandBBridge(run=wb_run)]
 
         def log(step, loss, grad_norm, ml_id=ml_run.info.run_id, wb=wb_run):
+            # What a training script logs itself: the loss and the norm of the gradient that arrived.
             metrics = {"train/loss": loss, "train/grad_norm": grad_norm}
             wb.log(metrics, step=step)
             client.log_batch(ml_id, metrics=[mlflow.entities.Metric(k, v, 0, step) for k, v in metrics.items()])
 
-        def factory(model, guarded=guarded, ml_id=ml_run.info.run_id, wb=wb_run):
+        def factory(model, action=action, bridges=bridges, name=name):
             base = torch.optim.AdamW(model.parameters(), lr=3e-3)
-            if not guarded:
-                return base
-            sinks = [MLflowBridge(uri, run_id=ml_id, close_timeout=120.0), WandBBridge(run=wb)]
-            return GuardedOptimizer(base, model, log_dir=out / "sg_logs", verbose=False, sinks=sinks)
+            return GuardedOptimizer(base, model, nan_action=action, log_dir=out / f"sg_logs_{name}", verbose=False,
+                                    sinks=bridges)
 
         r = train_tiny_gpt(factory, steps=args.steps, faults=demo_faults(), on_step=log)
-        if guarded:
-            r["optimizer"].close()
-        client.set_terminated(ml_run.info.run_id)
+        r["optimizer"].close()
+        outcome = bridges[0].outcome.label
+        client.set_terminated(ml_run.info.run_id, status="FINISHED" if outcome == "completed" else "FAILED")
         wb_run.finish()
         results[name] = {"final_loss": r["final_loss"], "weights_finite": r["weights_finite"],
-                         "mlflow_run": ml_run.info.run_id}
-        print(f"{name}: final loss {r['final_loss']:.4g}, weights finite: {r['weights_finite']}")
-    print(f"compare: mlflow ui --backend-store-uri {uri}   |   wandb sync {out / 'wandb'}/offline-run-*")
+                         "mlflow_run": ml_run.info.run_id, "outcome": outcome, "wandb_dir": str(Path(wb_run.dir).parent)}
+        print(f"{name} (nan_action={action!r}): {outcome}; final loss {r['final_loss']:.4g}, "
+              f"weights finite: {r['weights_finite']}")
+    print(f"compare in MLflow: {tool('mlflow')} ui --backend-store-uri {uri}   (then open "
+          f"http://127.0.0.1:5000, experiment stabilityguard-compare; integrations/README.md says what to click)")
+    print(f"compare in W&B:    {tool('wandb')} sync {out / 'wandb'}/offline-run-*")
     return results
 
 

@@ -13,13 +13,20 @@ Example:
 __version__ = "0.1.0"
 
 from .config import NAN_ACTIONS, GuardConfig  # noqa: E402
-from .errors import ConfigError, GradientSpikeError, MissingDependencyError, StabilityGuardError  # noqa: E402
+from .errors import (  # noqa: E402
+    ConfigError,
+    GradientSpikeError,
+    MissingDependencyError,
+    StabilityGuardError,
+    TrackerUnreachable,
+)
 from .events import (  # noqa: E402
     SCHEMA_VERSION,
     Action,
     ActionTaken,
     BaselineReset,
     EventKind,
+    FlightRecord,
     GuardEvent,
     NonFinite,
     RunEnd,
@@ -37,6 +44,7 @@ __all__ = [
     "ConfigError",
     "ConsoleSink",
     "EventKind",
+    "FlightRecord",
     "GradientSpikeError",
     "GuardConfig",
     "GuardEvent",
@@ -53,5 +61,6 @@ __all__ = [
     "SpikeReportSink",
     "StabilityGuardError",
     "StepSummary",
+    "TrackerUnreachable",
     "__version__",
 ]

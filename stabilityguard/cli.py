@@ -1,7 +1,12 @@
 """Command line: ``stabilityguard report | compare | summary | sync``.
 
-Exit codes: 0 success; 2 bad usage or a missing path; 3 no events found; 4 a log that cannot be read
-(newer schema); 5 an optional package is missing; 1 sync could not deliver everything.
+Exit codes: 0 success; 2 bad usage, a missing path or an unwritable output; 3 no events found; 4 a log
+that cannot be read (newer schema); 5 an optional package is missing; 1 sync could not deliver
+everything; 6 an internal error of ``report``/``summary``/``compare`` (a bug: the message says so;
+please report it with the log); 7 ``sync`` could not reach the tracker within ``--timeout``.
+
+Lines of a log that could not be used are listed on stderr (``file:line: what``, the first 20) by
+``report``, ``summary`` and ``compare``; the output is made from the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from typing import List, Optional
 
 from .errors import MissingDependencyError
 
-EXIT_USAGE, EXIT_EMPTY, EXIT_FORMAT, EXIT_MISSING_DEP = 2, 3, 4, 5
+EXIT_USAGE, EXIT_EMPTY, EXIT_FORMAT, EXIT_MISSING_DEP, EXIT_INTERNAL = 2, 3, 4, 5, 6
+_SHOWN_PROBLEMS = 20
+_REPORT_COMMANDS = ("report", "summary", "compare")
+logger = logging.getLogger(__name__)
 
 
 def _load(path: str, run_id: Optional[str] = None):
@@ -25,6 +33,7 @@ def _load(path: str, run_id: Optional[str] = None):
     if not p.exists():
         raise _Exit(EXIT_USAGE, f"error: {path}: no such file or directory")
     runs = load_runs(p)
+    _print_problems(runs)
     if not runs:
         raise _Exit(EXIT_EMPTY, f"error: {path}: no stabilityguard events found (events-*.jsonl or spike_step*.json)")
     if run_id is not None:
@@ -32,6 +41,19 @@ def _load(path: str, run_id: Optional[str] = None):
             raise _Exit(EXIT_EMPTY, f"error: run {run_id!r} not in {path}; runs: {', '.join(runs)}")
         return runs[run_id], runs
     return list(runs.values())[-1], runs
+
+
+def _print_problems(runs: dict) -> None:
+    """List (on stderr) the lines of the logs that could not be used: file, line, what was wrong."""
+    problems = next(iter(runs.values())).problems if runs else []
+    if not problems:
+        return
+    _echo(f"warning: {len(problems)} log problem(s); the report is made from the rest:", file=sys.stderr)
+    for p in problems[:_SHOWN_PROBLEMS]:
+        _echo(f"  {p}", file=sys.stderr)
+    if len(problems) > _SHOWN_PROBLEMS:
+        _echo(f"  ... {len(problems) - _SHOWN_PROBLEMS} more (all of them in the report's 'Log problems')",
+              file=sys.stderr)
 
 
 def _echo(*parts: object, file=None) -> None:
@@ -90,11 +112,24 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     if args.json:
         _echo(json.dumps(s, indent=2))
         return 0
-    _echo(f"run {s['run_id']}: {s['steps']} steps")
-    _echo(f"total spikes        : {s['spikes']}")
-    _echo(f"NaN/Inf steps       : {s['nonfinite']}" + (f"  (layers: {', '.join(s['nonfinite_layers'][:5])})" if s['nonfinite_layers'] else ""))
+    def pct(x):
+        return "n/a (too few values)" if x is None else f"{x:.2%}"
+
+    resumed = f" ({s['segments']} segments: resumed)" if s["segments"] > 1 else ""
+    def layers(names):
+        return f"  (layers: {', '.join(names[:5])})" if names else ""
+
+    _echo(f"run {s['run_id']}: {s['steps']} steps{resumed}"
+          + ("  [monitor mode: nothing refused]" if s["monitor"] else ""))
+    _echo(f"total spikes        : {s['spikes']}{layers(s['spike_layers'])}")
+    _echo(f"NaN/Inf steps       : {s['nonfinite']}{layers(s['nonfinite_layers'])}")
     _echo(f"skipped / rollbacks : {s['skipped']} / {s['rollbacks']}")
-    _echo(f"most problematic    : {s['top_layer'] or 'none'}")
+    if s["clipped"]:
+        _echo(f"clipped steps       : {s['clipped']}")
+    if s["monitor"]:
+        _echo(f"would have refused  : {s['would_refuse']}")
+    _echo(f"most problematic    : {s['top_layer'] or 'none'}  (ranked by triggers, incidents, worst ratio, name)")
+    _echo(f"spike score         : loss {pct(s['spike_score_loss'])}, grad norm {pct(s['spike_score_grad_norm'])}")
     _echo(f"final loss          : {s['final_loss'] if s['final_loss'] is not None else 'n/a'}")
     if run.problems:
         _echo(f"log problems        : {len(run.problems)} (first: {run.problems[0]})")
@@ -124,14 +159,27 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``sync``: the tracker did not answer within ``--timeout`` seconds (6 is the internal-error code).
+EXIT_UNREACHABLE = 7
+
+
 def _cmd_sync(args: argparse.Namespace) -> int:
+    import os
+
+    from .errors import TrackerUnreachable
     from .integrations.sync import sync
 
     p = Path(args.logdir)
     if not p.is_dir():
         raise _Exit(EXIT_USAGE, f"error: {args.logdir}: no such directory")
+    if not args.timeout > 0:
+        raise _Exit(EXIT_USAGE, f"error: --timeout must be > 0 seconds; got {args.timeout:g}")
     kwargs = {}
+    env = {}
     if args.to == "mlflow":
+        # During the sync: a server that dies mid-way is not retried for minutes (unless the user set these).
+        env = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, int(args.timeout))), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+        env = {k: v for k, v in env.items() if k not in os.environ}
         if args.tracking_uri:
             kwargs["tracking_uri"] = args.tracking_uri
         if args.experiment:
@@ -141,10 +189,16 @@ def _cmd_sync(args: argparse.Namespace) -> int:
             kwargs["project"] = args.project
         if args.wandb_dir:
             kwargs["dir"] = args.wandb_dir
+    os.environ.update(env)
     try:
-        result = sync(p, args.to, run_id=args.run, **kwargs)
+        result = sync(p, args.to, run_id=args.run, timeout=args.timeout, **kwargs)
     except LookupError as exc:
         raise _Exit(EXIT_EMPTY, f"error: {exc}") from None
+    except TrackerUnreachable as exc:
+        raise _Exit(EXIT_UNREACHABLE, f"error: {exc}; nothing was synced") from None
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
     _echo(json.dumps(result))
     return 1 if result.get("failed") else 0
 
@@ -186,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--experiment", help="MLflow experiment name")
     y.add_argument("--project", help="W&B project")
     y.add_argument("--wandb-dir", help="W&B directory (with WANDB_MODE=offline: where the offline run goes)")
+    y.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds the tracker may take to answer the first contact (default 10); "
+                        "exit code 7 if it does not")
     y.set_defaults(func=_cmd_sync)
     return ap
 
@@ -207,6 +264,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     except MissingDependencyError as exc:
         _echo(f"error: {exc}", file=sys.stderr)
         return EXIT_MISSING_DEP
+    except OSError as exc:  # an output directory that cannot be written, a log that vanished
+        if args.command not in _REPORT_COMMANDS:
+            raise
+        _echo(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001  (reports promise no traceback; the bug is still reported)
+        if args.command not in _REPORT_COMMANDS:
+            raise
+        logger.debug("internal error", exc_info=True)
+        _echo(f"error: internal error in stabilityguard ({type(exc).__name__}: {exc}); this is a bug: "
+              "please report it with the log", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -100,6 +100,12 @@ class GuardConfig:
     flight_recorder_steps: int = 64
     """Steps of per-step numbers (global norm, loss, LR, max ratio, action) attached to every incident."""
 
+    track_update_size: bool = False
+    """Measure the RMS of each accepted step's parameter change (an early signal of instabilities, in the
+    flight recorder and the summaries' ``update_rms_mean``). Computed on the device and read in the next
+    step's one transfer (no extra sync), but it costs a copy of the parameters and two passes over them
+    per step, hence off by default."""
+
     rollback_interval: int = 100
     """With ``nan_action="rollback"``: accepted steps between snapshots of model and optimizer state."""
 
@@ -227,6 +233,8 @@ class GuardConfig:
         _check_int("level_shift_steps", self.level_shift_steps, low=1)
         _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
         _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1)
+        if not isinstance(self.track_update_size, bool):
+            raise ConfigError(f"track_update_size must be True or False; got {self.track_update_size!r}")
         _check_int("rollback_interval", self.rollback_interval, low=1)
         if not isinstance(self.snapshot_device, str):
             raise ConfigError(

@@ -27,6 +27,13 @@ class MissingDependencyError(StabilityGuardError, ImportError):
     """
 
 
+class TrackerUnreachable(StabilityGuardError, ConnectionError):
+    """A tracking server did not answer within the contact timeout (the message is one line).
+
+    Raised by ``stabilityguard sync`` (exit code 7) and by the tracker bridges' first contact.
+    """
+
+
 class GradientSpikeError(StabilityGuardError, RuntimeError):
     """Raised by ``nan_action="raise"`` when a step is unsafe.
 

@@ -139,7 +139,8 @@ class StepSummary(GuardEvent):
     ``max_ratio``/``max_ratio_layer`` (the largest layer ratio of the *accepted* steps) and
     ``refused_max_ratio``/``refused_max_ratio_layer`` (of the refused ones). The counters are totals
     since the start of the run (``clipped``: steps scaled back; ``would_refuse``: steps monitor mode
-    would have refused). With ``enable_helene`` (schema 1.3),
+    would have refused). Early signals: ``loss_trend`` (this window's mean loss over the previous
+    window's, minus 1) and, with ``track_update_size``, ``update_rms_mean`` (mean RMS parameter change). With ``enable_helene`` (schema 1.3),
     ``post_clip_global_norm`` is the norm after the per-layer clip of this step and ``clipped_layers`` how
     many layers it scaled down (``global_norm`` stays the pre-clip norm).
     """
@@ -167,6 +168,8 @@ class StepSummary(GuardEvent):
     refused_max_ratio_layer: Optional[str] = None
     clipped: int = 0
     would_refuse: int = 0
+    update_rms_mean: Optional[float] = None
+    loss_trend: Optional[float] = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -215,6 +215,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         idx = ParamIndex.build(self.model, self.param_groups)
         n_l = idx.n_layers
         self._index = idx
+        self._numel = sum(p.numel() for p in idx.params)
+        self._update_of = -1  # the step whose update size the collector carries
         self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks, origin=self._origin)
         self._names = list(idx.layer_names) + list(idx.param_names)
         self._layer_params: Dict[str, List[torch.Tensor]] = {}
@@ -429,6 +431,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if stats is None:
             stats = self._collector.collect(loss)
         self.last_stats = stats
+        if stats.ridden is not None:  # the previous accepted step's update size
+            rms = math.sqrt(max(stats.ridden, 0.0) / max(self._numel, 1))
+            self.recorder.set_update_rms(self._update_of, rms)
+            self._window.add_update(rms)
         if self._eos is not None:
             self._observe_eos(step, stats, closure)
         error: Optional[GradientSpikeError] = None
@@ -527,15 +533,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 layer_norms = [v * coef for v in layer_norms]
         if self._clipper is not None and not monitor and self._clipper.apply(layer_norms):
             self._clip_input = layer_norms
+        before = None
+        if self.config.track_update_size:
+            with torch.no_grad():
+                before = torch._foreach_mul(self._index.params, 1.0)  # a copy of the parameters
         if self._spam is not None:
             self._spam.step()  # the LR factor is applied around the wrapped step only
         else:
             self.base_optimizer.step()
+        if before is not None:  # RMS of the parameter change: on the device, read in the next transfer
+            with torch.no_grad():
+                torch._foreach_sub_(before, self._index.params)
+                self._collector.rider = torch.stack(torch._foreach_norm(before)).square().sum()
+            self._update_of = step
         self.counters.accepted += 1
         if self._rollback is not None:
             self._rollback.after_accepted_step(step + 1)
         if decision is not None:
-            self._record(step, stats, decision.max_ratio, decision.max_index, record, refused=False)
+            self._record(step, stats, decision.max_ratio, decision.max_index, record, refused=False,
+                         loss_z=verdict.loss_z if verdict is not None else None)
 
     def _scale_layers(self, factors: List[float]) -> None:
         """Multiply each scaled layer's gradients by its factor (one foreach call, no sync)."""
@@ -545,10 +561,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if pairs:
             torch._foreach_mul_([g for g, _ in pairs], [f for _, f in pairs])
 
-    def _record(self, step: int, stats: GradStats, ratio: float, index: int, action: str, refused: bool) -> None:
+    def _record(self, step: int, stats: GradStats, ratio: float, index: int, action: str, refused: bool,
+                loss_z: Optional[float] = None) -> None:
         layer = self._names[index] if index >= 0 else None
         lr = self.param_groups[0].get("lr") if self.param_groups else None
-        self.recorder.record(step, stats.global_norm, stats.loss, lr, ratio if index >= 0 else None, layer, action)
+        self.recorder.record(step, stats.global_norm, stats.loss, lr, ratio if index >= 0 else None, layer, action,
+                             loss_z)
         self._window.add(stats.global_norm, stats.loss, ratio, layer, refused)
 
     def _calibrate(self, step: int, ratios: List[float]) -> None:
@@ -620,8 +638,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if after is not None:
                 post = math.sqrt(sum(v * v for v in after))
                 clipped = sum(1 for a, b in zip(after, self._clip_input) if a < b)
-        window = self._window.fields()
-        self._window.reset()
+        window = self._window.close()
         self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm),
                              loss=json_float(stats.loss), lr=json_float(lr), threshold=self.config.spike_threshold,
                              post_clip_global_norm=json_float(post), clipped_layers=clipped, **window)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .detector import Decision, SpikeDetector
 
@@ -87,7 +87,7 @@ class LossMonitor:
 
     Outliers never enter the window as they are: a loss above ``median + z_threshold x scale`` enters it
     at that bound (winsorised), so a sustained rise still moves the window, slowly, while a single bad
-    batch barely does.
+    batch barely does. The median and MAD are refreshed every ``REFRESH`` losses.
 
     Args:
         window: Losses kept.
@@ -102,48 +102,58 @@ class LossMonitor:
         True
     """
 
+    #: The median and MAD are recomputed every this many added losses (a sort of the window each step
+    #: would cost more than the rest of the decision); between two refreshes the window's centre and
+    #: scale are those of the last refresh.
+    REFRESH = 8
+
     def __init__(self, *, window: int, z_threshold: float, min_count: int = 20) -> None:
         self.window = int(window)
         self.z_threshold = float(z_threshold)
         self.min_count = int(min_count)
         self.values: Deque[float] = deque(maxlen=self.window)
-        self._stats: Optional[tuple] = None  # (median, scale), cached until the window changes
+        self.added = 0  # losses added so far (schedules the refreshes)
+        self.stats: Optional[Tuple[float, float]] = None  # (median, scale) of the last refresh
 
-    def _center_scale(self) -> tuple:
-        if self._stats is None:
-            xs = sorted(self.values)
-            n = len(xs)
-            med = 0.5 * (xs[(n - 1) // 2] + xs[n // 2])
-            dev = sorted(abs(x - med) for x in xs)
-            mad = 0.5 * (dev[(n - 1) // 2] + dev[n // 2])
-            # 1.4826 MAD estimates the standard deviation of a normal; a floor keeps a flat loss sane.
-            scale = max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
-            self._stats = (med, scale)
-        return self._stats
+    def _refresh(self) -> None:
+        xs = sorted(self.values)
+        n = len(xs)
+        med = 0.5 * (xs[(n - 1) // 2] + xs[n // 2])
+        dev = sorted([abs(x - med) for x in xs])
+        mad = 0.5 * (dev[(n - 1) // 2] + dev[n // 2])
+        # 1.4826 MAD estimates the standard deviation of a normal; a floor keeps a flat loss sane.
+        self.stats = (med, max(1.4826 * mad, 1e-3 * abs(med), 1e-12))
 
     def zscore(self, loss: Optional[float]) -> Optional[float]:
         """The loss's robust z-score, or ``None`` (no loss, too few values, or a non-finite loss)."""
-        if loss is None or len(self.values) < self.min_count or not math.isfinite(loss):
+        if loss is None or self.stats is None or len(self.values) < self.min_count or not math.isfinite(loss):
             return None
-        med, scale = self._center_scale()
+        med, scale = self.stats
         return (loss - med) / scale
 
     def add(self, loss: Optional[float]) -> None:
         """Add an accepted step's loss (winsorised at the outlier bound)."""
         if loss is None or not math.isfinite(loss):
             return
-        if len(self.values) >= self.min_count:
-            med, scale = self._center_scale()
+        if self.stats is not None and len(self.values) >= self.min_count:
+            med, scale = self.stats
             loss = min(loss, med + self.z_threshold * scale)
         self.values.append(float(loss))
-        self._stats = None
+        self.added += 1
+        if len(self.values) <= self.min_count or self.added % self.REFRESH == 0:
+            self._refresh()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"values": list(self.values)}
+        return {"values": list(self.values), "added": self.added,
+                "stats": None if self.stats is None else list(self.stats)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.values = deque((float(v) for v in state.get("values", [])), maxlen=self.window)
-        self._stats = None
+        self.added = int(state.get("added", len(self.values)))
+        st = state.get("stats")
+        self.stats = (float(st[0]), float(st[1])) if st else None
+        if self.stats is None and self.values:
+            self._refresh()
 
 
 class GuardPolicy:
@@ -199,6 +209,7 @@ class GuardPolicy:
         self.global_count = 0
         #: Per layer, the ratios of its current run of consecutive critical spikes.
         self.runs: List[List[float]] = [[] for _ in range(self.n_layers)]
+        self._open_runs = False
 
     # ------------------------------------------------------------------ deciding
     def decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
@@ -258,15 +269,18 @@ class GuardPolicy:
         det, decision = self.detector, verdict.decision
         before = det.baselines() if (not verdict.accepted or decision.shifted) else []
         mask = decision.spike_mask
-        for i in range(self.n_layers):
-            if mask is not None and mask[i]:
-                self.runs[i].append(decision.ratios[i])
-            elif self.runs[i] and (present is None or present[i]):
-                self.runs[i] = []
+        if mask is not None or self._open_runs:  # the common step has neither: no loop over layers
+            for i in range(self.n_layers):
+                if mask is not None and mask[i]:
+                    self.runs[i].append(decision.ratios[i])
+                elif self.runs[i] and (present is None or present[i]):
+                    self.runs[i] = []
+            self._open_runs = any(self.runs)
         if decision.level_shift is not None:
             for i, s in enumerate(decision.level_shift):
                 if s:
                     self.runs[i] = []
+            self._open_runs = any(self.runs)
         fed = self._fed_values(values, decision) if verdict.kind == CLIP else values
         det.commit(decision, fed, present)
         if verdict.accepted:
@@ -319,6 +333,7 @@ class GuardPolicy:
         runs = state.get("runs") or {}
         names = self.detector.names
         self.runs = [list(map(float, runs.get(names[i], []))) for i in range(self.n_layers)]
+        self._open_runs = any(self.runs)
 
 
 def _accept_shifts(decision: Decision, layers: List[int]) -> Decision:

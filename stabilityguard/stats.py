@@ -123,6 +123,7 @@ class GradStats:
         loss: The loss handed to the guard, as a float (``None`` when none was given).
         rank_sq_norms: Under DDP with an :class:`OriginProbe`: each rank's squared gradient norm before
             the all-reduce (NaN/Inf for a rank whose local gradients were non-finite).
+        ridden: The value of :attr:`GradStatsCollector.rider` read in this transfer (``None``: no rider).
     """
 
     values: List[float]
@@ -131,6 +132,7 @@ class GradStats:
     global_norm: float
     loss: Optional[float]
     rank_sq_norms: Optional[List[float]] = None  # DDP: each rank's squared local norm before the reduce
+    ridden: Optional[float] = None  # the collector's rider, read in the same transfer
 
     @property
     def layer_norms(self) -> List[float]:
@@ -190,6 +192,9 @@ class GradStatsCollector:
             self._rank = torch.distributed.get_rank(process_group)
         #: DDP only: the communication-hook probe of each rank's local gradients before the all-reduce.
         self.origin = origin if self._world > 1 else None
+        #: A device scalar computed after the previous step (the update size), read in this step's one
+        #: transfer instead of a sync of its own; handed back as :attr:`GradStats.ridden`.
+        self.rider: Optional[torch.Tensor] = None
         self._weights: Optional[torch.Tensor] = None  # per-entry weights of the cross-rank sum
         self._n_layers = index.n_layers
         self._members: List[List[int]] = [[] for _ in range(index.n_layers)]
@@ -232,13 +237,18 @@ class GradStatsCollector:
             norms = [*norms, lt]
         elif loss is not None:
             loss_val = float(loss)
+        rider, self.rider = self.rider, None
+        if rider is not None:
+            norms = [*norms, rider.to(device=norms[0].device, dtype=norms[0].dtype)]
         # The one device->host transfer (a sync on accelerators) of the step.
         host = torch.stack(norms).tolist()
+        ridden = host.pop() if rider is not None else None  # appended last
         if with_loss:
             loss_val = host.pop()
-        return self._finish(host, None, loss_val)
+        return self._finish(host, None, loss_val, ridden)
 
-    def _finish(self, param_norms: List[float], param_present: Optional[List[bool]], loss: Optional[float]) -> GradStats:
+    def _finish(self, param_norms: List[float], param_present: Optional[List[bool]], loss: Optional[float],
+                ridden: Optional[float] = None) -> GradStats:
         sq = [v * v for v in param_norms]
         layer_sq = [sum([sq[i] for i in members]) for members in self._members]
         values = [math.sqrt(v) for v in layer_sq]
@@ -246,7 +256,7 @@ class GradStatsCollector:
         present = None
         if param_present is not None:
             present = [any(param_present[i] for i in members) for members in self._members] + param_present
-        return GradStats(values, present, self._n_layers, math.sqrt(sum(layer_sq)), loss)
+        return GradStats(values, present, self._n_layers, math.sqrt(sum(layer_sq)), loss, ridden=ridden)
 
     @torch.no_grad()
     def _collect_general(self, grads: List[Optional[torch.Tensor]], loss: LossLike) -> GradStats:
@@ -281,18 +291,25 @@ class GradStatsCollector:
             pieces.append(lt if first_device is None else lt.to(first_device))
         elif loss is not None:
             loss_val = float(loss)
+        rider, self.rider = self.rider, None
+        if rider is not None:
+            piece = rider.double().reshape(1).to(first_device or rider.device)
+            pieces.insert(len(pieces) - 1 if with_loss else len(pieces), piece)  # before the loss
         n_params = self.index.n_params
         param_norms = [0.0] * n_params
         param_present = [False] * n_params
+        ridden = None
         if pieces:
             # The one device->host transfer (a sync on accelerators) of the step.
             host = torch.cat(pieces).tolist()
             if with_loss:
                 loss_val = host.pop()
+            if rider is not None:
+                ridden = host.pop()
             for pos, v in zip(order, host):
                 param_norms[pos] = v
                 param_present[pos] = True
-        return self._finish(param_norms, param_present, loss_val)
+        return self._finish(param_norms, param_present, loss_val, ridden)
 
 
     @torch.no_grad()
@@ -343,12 +360,16 @@ class GradStatsCollector:
             red = torch.cat([red, slots])
         torch.distributed.all_reduce(red, group=self.process_group)  # the one collective of the step
         red[:n].sqrt_()
+        rider, self.rider = self.rider, None
+        if rider is not None:  # this rank's own value (replicas agree; under FSDP2 the local shard's)
+            red = torch.cat([red, rider.to(device=device, dtype=red.dtype).reshape(1)])
         host = red.tolist()  # the one device->host transfer of the step
+        ridden = host.pop() if rider is not None else None
         if with_loss:
             loss_val = host[n]
         norms_host = host[:n]
         present = [v != 0.0 for v in norms_host]  # NaN != 0: a non-finite gradient is present
-        stats = self._finish(norms_host, present, loss_val)
+        stats = self._finish(norms_host, present, loss_val, ridden)
         if probe is not None:
             stats.rank_sq_norms = host[n + 1:]
         return stats

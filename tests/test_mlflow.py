@@ -23,6 +23,10 @@ def _events(run):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def _report_files(client, run_id):
+    return {a.path.rsplit("/", 1)[1] for a in client.list_artifacts(run_id, "stabilityguard/report")}
+
+
 def _history(client, run_id, key):
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
@@ -42,7 +46,18 @@ def test_mlflow_bridge_logs_metrics_params_tags_artifacts(run_factory, mlflow_se
     events = _events(run)
     spike = next(e for e in events if e["kind"] == "spike")
     assert _history(client, bridge.run_id, "sg/spike_ratio") == [(30, pytest.approx(spike["ratio"]))]
-    assert _history(client, bridge.run_id, "sg/nonfinite") == [(40, 1.0)]
+    # Markers: 0 on every summary, 1 at the incident step and 0 again the step after (a one-step pulse),
+    # so two incidents are never joined by a line.
+    assert _history(client, bridge.run_id, "sg/nonfinite") == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (31, 0.0), (39, 0.0), (40, 1.0), (41, 0.0), (49, 0.0)]
+    assert _history(client, bridge.run_id, "sg/spike") == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (31, 0.0), (39, 0.0), (41, 0.0), (49, 0.0)]
+    assert _history(client, bridge.run_id, "sg/action") == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (31, 0.0), (39, 0.0), (40, 1.0), (41, 0.0), (49, 0.0)]
+    # Counters are step functions: the old value at N-1, the new one at N.
+    assert _history(client, bridge.run_id, "sg/skipped_total") == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (39, 1.0), (40, 2.0), (49, 2.0)]
+    assert _history(client, bridge.run_id, "sg/diverged") == [(s, 0.0) for s in (9, 19, 29, 39, 49)]
     summaries = [e for e in events if e["kind"] == "step_summary"]
     norms = _history(client, bridge.run_id, "sg/global_grad_norm")
     assert [s for s, _ in norms] == [9, 19, 29, 39, 49]
@@ -54,6 +69,16 @@ def test_mlflow_bridge_logs_metrics_params_tags_artifacts(run_factory, mlflow_se
     assert r.data.tags["sg.spikes"] == "1" and r.data.tags["sg.nonfinite"] == "1" and r.data.tags["sg.skipped"] == "2"
     assert r.data.tags["stabilityguard.run_id"] == run.opt.run_id
     assert r.info.status == "FINISHED"
+    assert r.data.tags["sg.outcome"] == "completed" and r.data.tags["sg.first_nonfinite_step"] == "40"
+    final = events[-1]["final_loss"]
+    assert float(r.data.tags["sg.final_finite_loss"]) == pytest.approx(final, rel=1e-5)
+    assert _history(client, bridge.run_id, "sg/final_finite_loss") == [(49, pytest.approx(final))]
+    note = r.data.tags["mlflow.note.content"]
+    assert note.startswith("stabilityguard: completed. 50 steps, 1 spike, 1 NaN/Inf step (first at step 40 in `head`)")
+    assert "Steps 2 skipped, 0 rolled back" in note  # (and, with graded responses, how many clipped)
+    entry = "postmortem.html" if "postmortem.html" in _report_files(client, bridge.run_id) else "postmortem.md"
+    link = f"[stabilityguard/report/{entry}](#/experiments/{r.info.experiment_id}/runs/{bridge.run_id}/artifacts/"
+    assert note.endswith(f"Post-mortem: {link}stabilityguard/report/{entry})")
     arts = {a.path for a in client.list_artifacts(bridge.run_id, "stabilityguard")}
     assert {"stabilityguard/spikes.json", "stabilityguard/logs", "stabilityguard/report"} <= arts
     logs = {a.path.rsplit("/", 1)[1] for a in client.list_artifacts(bridge.run_id, "stabilityguard/logs")}

@@ -137,3 +137,30 @@ def test_graded_settings_are_validated(kw, name):
 
     with pytest.raises(ConfigError, match=name):
         GuardedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), log_dir=None, **kw)
+
+
+@pytest.mark.parametrize("unused_layer", [False, True])  # True: a parameter without grad (general path)
+def test_update_size_is_read_with_the_next_transfer_and_exact_for_sgd(tmp_path, unused_layer):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = torch.nn.ModuleDict({"net": net, "unused": torch.nn.Linear(2, 2)}) if unused_layer else net
+    lr = 0.05
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model, log_dir=tmp_path, verbose=False,
+                           log_every=5, track_update_size=True, graded_response=False)
+    numel = sum(p.numel() for p in model.parameters())
+    expected = []
+    for _ in range(10):
+        loss = net(torch.randn(16, 4)).pow(2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        expected.append(lr * opt.last_stats.global_norm / numel ** 0.5)  # plain SGD: the update is lr x grad
+        opt.zero_grad()
+    rows = {w["step"]: w["update_rms"] for w in opt.recorder.window()}
+    for step in range(9):  # the last step's size is read by the step after it
+        assert rows[step] == pytest.approx(expected[step], rel=1e-5)
+    assert rows[9] is None
+    opt.close()
+    summaries = [json.loads(x) for x in next(tmp_path.glob("events-*.jsonl")).read_text().splitlines()
+                 if '"step_summary"' in x]
+    assert summaries[1]["update_rms_mean"] == pytest.approx(sum(expected[4:9]) / 5, rel=1e-5)
+    assert summaries[1]["loss_trend"] is not None and summaries[0]["loss_trend"] is None

@@ -44,8 +44,11 @@ def test_golden_incidents_and_summary(golden):
     assert inc["severity"].astype(str).tolist() == ["critical", "critical", "critical", "nonfinite"]
     assert run_summary(golden) == {
         "run_id": "golden-run", "steps": 60, "incidents": 4, "spikes": 3, "nonfinite": 1, "skipped": 4,
-        "rollbacks": 0, "raised": 0, "baseline_resets": 1, "final_loss": 2.4, "top_layer": ODD,
-        "nonfinite_layers": sorted(["emb", "h.0.attn", "h.0.mlp", "h.1.attn", ODD, "head"]), "completed": True}
+        "rollbacks": 0, "raised": 0, "clipped": 0, "would_refuse": 0, "monitor": False, "baseline_resets": 1,
+        "final_loss": 2.4, "top_layer": ODD, "spike_layers": [ODD, "h.0.mlp"],
+        "nonfinite_layers": sorted(["emb", "h.0.attn", "h.0.mlp", "h.1.attn", ODD, "head"]),
+        "spike_score_loss": None, "spike_score_grad_norm": None,  # 9 known values: too few to score
+        "segments": 1, "refused_batches": 0, "completed": True}
     assert golden.steps["step"].tolist() == [9, 19, 29, 39, 49, 59]
     assert str(golden.steps["max_ratio_layer"].iloc[2]) == ODD
     assert golden.problems == []
@@ -68,12 +71,14 @@ def test_golden_severity_table(golden):
 
 def test_golden_layer_ranking(golden):
     r = layer_ranking(golden)
-    assert r.index.tolist()[:2] == [ODD, "h.0.mlp"]
+    # triggers, then incidents, then worst ratio (NaN/Inf = infinite), then name
+    assert r.index.tolist() == [ODD, "emb", "h.0.mlp", "h.0.attn", "h.1.attn", "head"]
     top = r.loc[ODD]
-    assert (top["spikes"], top["triggers"], top["max_ratio"], top["median_ratio"], top["nonfinite"],
-            top["first_step"], top["last_step"], top["actions"]) == (3, 3, 1200.0, 70.0, 1, 21, 33, "skip:4")
+    assert (top["spikes"], top["triggers"], top["incidents"], top["max_ratio"], top["median_ratio"],
+            top["nonfinite"], top["first_step"], top["last_step"], top["actions"]) == (
+        3, 3, 4, 1200.0, 70.0, 1, 21, 33, "skip:4")
     mlp = r.loc["h.0.mlp"]
-    assert (mlp["spikes"], mlp["triggers"], mlp["max_ratio"]) == (1, 0, 12.0)
+    assert (mlp["spikes"], mlp["triggers"], mlp["incidents"], mlp["max_ratio"]) == (1, 0, 2, 12.0)
     emb = r.loc["emb"]
     assert (emb["spikes"], emb["triggers"], emb["nonfinite"]) == (0, 1, 1)
 
@@ -91,14 +96,15 @@ def test_golden_postmortem_escapes_and_advises(golden, tmp_path):
     assert "New gradient levels were accepted" in advice and "(step 45)" in advice
     assert "## Configuration" in md and "| spike\\_threshold | 10 |" in md
     paths = write_report(golden, tmp_path / "rep")
-    assert {p.name for p in paths.values()} == {"postmortem.md", "timeline.png", "heatmap.png"}
+    # a schema-1.0 log has no flight-recorder windows: no close-up plots
+    assert {p.name for p in paths.values()} == {"postmortem.md", "postmortem.html", "timeline.png", "heatmap.png"}
     for p in paths.values():
         assert p.stat().st_size > 1000
-    assert "![gradient norm timeline](timeline.png)" in (tmp_path / "rep" / "postmortem.md").read_text()
+    assert "![gradient norm and loss timeline](timeline.png)" in (tmp_path / "rep" / "postmortem.md").read_text()
 
 
 def test_markdown_escape():
-    assert md_escape("a|b*c_d`e<script>") == "a\\|b\\*c\\_d\\`e&lt;script&gt;"
+    assert md_escape("a|b*c_d`e<script>$x$") == "a\\|b\\*c\\_d\\`e&lt;script&gt;\\$x\\$"
     assert "\n" not in md_escape("line1\n# heading")
 
 
@@ -173,7 +179,13 @@ def test_report_of_a_real_guarded_run(run_factory, tmp_path):
     assert len(log.steps) == 8
     ranking = layer_ranking(log)
     assert set(ranking.index) == {"head", "blocks.0.attn.qkv"}
+    # one trigger each: the NaN/Inf layer ranks first (worst ratio), everywhere
+    assert ranking.index[0] == s["top_layer"] == "blocks.0.attn.qkv" and s["spike_layers"] == ["head"]
     assert "backward pass of `blocks.0.attn.qkv`" in "\n".join(next_steps(log))
+    paths = write_report(log, tmp_path / "rep")
+    page = paths["html"].read_text()
+    assert page.count("data:image/png;base64,") == page.count("<img ") >= 2
+    assert "| most problematic layer | blocks.0.attn.qkv |" in paths["postmortem"].read_text()
 
 
 def test_compare_table_from_loaded_runs(golden):

@@ -49,21 +49,39 @@ def test_wandb_bridge_offline_run_has_exact_metrics(run_factory, wandb_offline):
     row = next(h for h in hist if "sg/spike_ratio" in h)
     assert row["sg/step"] == 30 and row["sg/spike_ratio"] == pytest.approx(spike["ratio"], rel=1e-12)
     assert row["sg/action"] == 1.0 and row["sg/layer_ratio/head"] == pytest.approx(spike["ratio"])
-    nan_row = next(h for h in hist if "sg/nonfinite" in h)
-    assert nan_row["sg/step"] == 40
+    # Markers: 1 at the incident, 0 on every summary; counters step at the incident (old value at N-1).
+    assert [(h["sg/step"], h["sg/nonfinite"]) for h in hist if "sg/nonfinite" in h] == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (31, 0.0), (39, 0.0), (40, 1.0), (41, 0.0), (49, 0.0)]
+    assert [(h["sg/step"], h["sg/skipped_total"]) for h in hist if "sg/skipped_total" in h] == [
+        (9, 0.0), (19, 0.0), (29, 0.0), (30, 1.0), (39, 1.0), (40, 2.0), (49, 2.0)]
     summaries = [e for e in events if e["kind"] == "step_summary"]
     logged = [h for h in hist if "sg/global_grad_norm" in h]
     assert [h["sg/step"] for h in logged] == [e["step"] for e in summaries] == [9, 19, 29, 39, 49]
     assert [h["sg/global_grad_norm"] for h in logged] == pytest.approx([e["global_norm"] for e in summaries])
-    assert logged[-1]["sg/skipped_total"] == 2.0
+    assert logged[-1]["sg/skipped_total"] == 2.0 and logged[-1]["sg/action"] == 0.0
     checks = [e for e in events if e["kind"] == "sharpness"]
     eos = [h for h in hist if "sg/eos_ratio_secant" in h]
     assert len(checks) >= 3 and [h["sg/step"] for h in eos] == [e["step"] for e in checks]
     assert [h["sg/eos_ratio_secant"] for h in eos] == pytest.approx([e["ratio"] for e in checks])
     assert [h["sg/step"] for h in hist if "sg/eos_warning" in h] == [e["step"] for e in checks]
-    assert wb["summary"]["sg/spikes"] == 1 and wb["summary"]["sg/nonfinite"] == 1 and wb["summary"]["sg/steps"] == 50
+    summary = wb["summary"]
+    assert summary["sg/spikes_total"] == 1 and summary["sg/nonfinite_total"] == 1 and summary["sg/steps"] == 50
+    assert summary["sg/skipped_total"] == 2 and summary["sg/rollbacks_total"] == 0
+    assert "sg/spikes" not in summary and "sg/skipped" not in summary  # one naming scheme: counts end in _total
+    assert summary["sg/nonfinite"] == {"max": 1.0} and summary["sg/spike"] == {"max": 1.0}  # markers: did it happen
+    assert summary["sg/outcome"] == "completed" and summary["sg/first_nonfinite_step"] == 40
+    assert summary["sg/final_finite_loss"] == pytest.approx(events[-1]["final_loss"])
     assert wb["config"]["stabilityguard"]["spike_threshold"] == 10.0
-    assert [a["title"] for a in wb["alerts"]] == ["stabilityguard: gradient spike x%d at step 30" % round(spike["ratio"])]
+    # The spike alert (WARN) does not use up the NaN/Inf alert's (ERROR) rate limit.
+    assert [(a["title"], a["level"]) for a in wb["alerts"]] == [
+        ("stabilityguard: gradient spike x%d at step 30" % round(spike["ratio"]), "WARN"),
+        ("stabilityguard: NaN/Inf gradients at step 40", "ERROR")]
+    assert "sg:completed" in wb["run"]["tags"]
+    notes = wb["run"]["notes"]
+    assert notes.startswith("stabilityguard: completed. 50 steps, 1 spike, 1 NaN/Inf step (first at step 40")
+    assert "in the run's Files and the `sg/postmortem` panel" in notes
+    images = {k for h in hist for k in h if k.startswith("sg/postmortem/") and k.endswith("/_type")}
+    assert {"sg/postmortem/timeline/_type", "sg/postmortem/heatmap/_type"} <= images
     assert any(h.get("sg/spike_table/_type") == "table-file" and h.get("sg/spike_table/nrows") == 2 for h in hist)
     saved = set(wb["files"])
     assert any(f.startswith("events-") and f.endswith(".jsonl") for f in saved)

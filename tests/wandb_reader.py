@@ -58,7 +58,8 @@ def _key(item: Any) -> str:
 
 
 def read_run(run_dir: Path, wait: float = 60.0) -> Dict[str, Any]:
-    """history rows, final summary, config, alerts, files and whether the exit record is there.
+    """history rows, final summary, config, alerts, files, the run record (id, project, name, notes, tags)
+    and whether the exit record is there.
 
     wandb's service writes the log asynchronously: wait (up to ``wait`` seconds) for the exit record.
     """
@@ -75,6 +76,7 @@ def read_run(run_dir: Path, wait: float = 60.0) -> Dict[str, Any]:
 def _read(run_dir: Path) -> Dict[str, Any]:
     path = next(Path(run_dir).glob("run-*.wandb"))
     history, summary, config, alerts, files, exited = [], {}, {}, [], [], False
+    run: Dict[str, Any] = {}
     for rec in records(path):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
@@ -89,7 +91,11 @@ def _read(run_dir: Path) -> Dict[str, Any]:
             alerts.append({"title": rec.alert.title, "text": rec.alert.text, "level": rec.alert.level})
         elif kind == "files":
             files += [f.path for f in rec.files.files]
+        elif kind == "run":
+            # The run record is re-sent when notes or tags change: the last one wins.
+            run = {"id": rec.run.run_id, "project": rec.run.project, "name": rec.run.display_name,
+                   "notes": rec.run.notes, "tags": list(rec.run.tags)}
         elif kind == "exit":
             exited = True
     return {"history": history, "summary": summary, "config": config, "alerts": alerts, "files": files,
-            "exited": exited}
+            "exited": exited, "run": run}

@@ -328,7 +328,7 @@ class StabilityGuardCallback(TrainerCallback):
                 if mlflow.active_run() is not None:
                     from .mlflow import MLflowBridge
 
-                    bridges.append(MLflowBridge())
+                    bridges.append(MLflowBridge(nested=False))  # the Trainer's own run, even with MLFLOW_NESTED_RUN
             except ImportError:
                 pass
         return bridges

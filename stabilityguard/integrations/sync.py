@@ -19,6 +19,10 @@ from typing import Any, Dict, List, Optional, Union
 
 from ..events import EventKind, GuardEvent, RunEnd
 from ..reports.load import Problem, iter_records
+from ..errors import TrackerUnreachable
+from ._bridge import check_timeout
+
+__all__ = ["TARGETS", "TrackerUnreachable", "read_events", "sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,35 +62,52 @@ def read_events(log_dir: Union[str, Path], run_id: Optional[str] = None) -> List
     return by_run[run_id]
 
 
-def sync(log_dir: Union[str, Path], to: str, run_id: Optional[str] = None, **bridge_kwargs: Any) -> Dict[str, Any]:
+def sync(log_dir: Union[str, Path], to: str, run_id: Optional[str] = None, timeout: float = 10.0,
+         **bridge_kwargs: Any) -> Dict[str, Any]:
     """Replay one run's event log into ``to`` (``"mlflow"`` or ``"wandb"``); returns what was done.
+
+    The tracker is contacted first, with ``timeout``: one that does not answer raises
+    :class:`~stabilityguard.errors.TrackerUnreachable` (a one-line message) before
+    anything is replayed. A log without ``run_end`` (process killed) gets the outcome ``stopped@N``.
 
     Args:
         log_dir: Directory with ``events-*.jsonl``.
         to: The tracker.
         run_id: The guard run to replay (default: the most recently started one).
+        timeout: Seconds the first contact with the tracker may take.
         bridge_kwargs: Passed to :class:`MLflowBridge` (``tracking_uri``, ``experiment_name``) or
             :class:`WandBBridge` (``project``, ``mode``, ``dir``, ...).
+
+    Raises:
+        ValueError: Unknown ``to``. ConfigError: a bad ``timeout``. FileNotFoundError / LookupError: no
+        such directory / no events. TrackerUnreachable: the tracker did not answer.
     """
     if to not in TARGETS:
         raise ValueError(f"to must be one of {', '.join(TARGETS)}; got {to!r}")
+    timeout = check_timeout("timeout", timeout)
     events = read_events(log_dir, run_id)
     sg_run = events[0].run_id
-    if not any(isinstance(e, RunEnd) for e in events):
+    ended = any(isinstance(e, RunEnd) for e in events)
+    if not ended:
         logger.info("run %s has no run_end record (process killed?): replaying what is there", sg_run)
+    last_step = max(e.step for e in events)
     if to == "mlflow":
         from .mlflow import MLflowBridge
 
-        bridge = MLflowBridge(background=False, **bridge_kwargs)
+        bridge = MLflowBridge(background=False, connect_timeout=timeout, **bridge_kwargs)
+        bridge._contacted = True
+        bridge._first_contact()  # raises TrackerUnreachable within `timeout`
         existing = bridge.find_run(sg_run)
         if existing is not None:
             bridge.run_id = existing
             bridge.enable_dedupe()
         for ev in events:
             bridge._deliver(ev)
+        if not ended:
+            bridge.mark_incomplete(last_step)
         bridge.close()
         return {"to": to, "run_id": sg_run, "tracker_run": bridge.run_id, "events": len(events),
-                "reused_run": existing is not None, "failed": bridge.failed}
+                "reused_run": existing is not None, "failed": bridge.failed, "outcome": bridge.outcome.label}
     marker = Path(log_dir) / f".wandb-synced-{sg_run}"
     if marker.exists():
         return {"to": to, "run_id": sg_run, "tracker_run": marker.read_text().strip(), "events": 0,
@@ -95,11 +116,13 @@ def sync(log_dir: Union[str, Path], to: str, run_id: Optional[str] = None, **bri
 
     bridge_kwargs.setdefault("name", f"stabilityguard-{sg_run}")
     bridge_kwargs.setdefault("reinit", "create_new")
-    wb = WandBBridge(**bridge_kwargs)
+    wb = WandBBridge(connect_timeout=timeout, **bridge_kwargs)
     for ev in events:
         wb._deliver(ev)
+    if not ended:
+        wb.mark_incomplete(last_step)
     wb.close()
     if wb.failed == 0:
         marker.write_text(wb.run.id)
     return {"to": to, "run_id": sg_run, "tracker_run": wb.run.id, "events": len(events), "reused_run": False,
-            "failed": wb.failed}
+            "failed": wb.failed, "outcome": wb.outcome.label}

@@ -9,7 +9,10 @@ from .tables import layer_ranking, run_summary
 
 
 def compare_table(runs: Dict[str, RunLog]) -> Any:
-    """One row per run: steps, incidents per class, skips, rollbacks, worst layers, final loss.
+    """One row per run: steps, incidents (and per class), skips, rollbacks, clips, spike scores, worst layers.
+
+    ``spike_score_loss`` / ``spike_score_grad_norm`` are :func:`~stabilityguard.reports.tables.spike_score`
+    values (``None`` when too few values are known); ``worst_layers`` follow the documented ranking.
 
     Args:
         runs: Display name -> loaded run (e.g. ``{"guarded": a, "unguarded": b}``).
@@ -27,12 +30,18 @@ def compare_table(runs: Dict[str, RunLog]) -> Any:
             "run": name,
             "run_id": run.run_id,
             "steps": s["steps"],
+            "incidents": s["incidents"],
+            "spikes": s["spikes"],
             "critical": int(sev.get("critical", 0)),
             "severe": int(sev.get("severe", 0)),
             "moderate": int(sev.get("moderate", 0)),
             "nonfinite": s["nonfinite"],
             "skipped": s["skipped"],
             "rollbacks": s["rollbacks"],
+            "clipped": s["clipped"],
+            "would_refuse": s["would_refuse"],
+            "spike_score_loss": s["spike_score_loss"],
+            "spike_score_grad_norm": s["spike_score_grad_norm"],
             "worst_layers": ", ".join(map(str, worst)),
             "final_loss": s["final_loss"],
         })
