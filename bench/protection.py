@@ -670,7 +670,8 @@ def targets(agg: Dict[Tuple[str, str, str], Dict[str, Any]], workloads: List[str
                 d = guard["eval_mean"] / plain["eval_mean"] - 1.0 if plain and not guard["diverged"] else math.inf
                 t["target"] = "within 0.1% of plain AdamW"
                 t["met"] = abs(d) <= 0.001
-                t["detail"] = f"{100 * d:+.3f}% vs plain, {guard['clipped']:.1f} steps clipped, {guard['skipped']:.1f} skipped"
+                t["detail"] = (f"{100 * d:+.3f}% vs plain, {guard['clipped']:.1f} steps clipped, "
+                               f"{guard['skipped']:.1f} skipped")
             elif s in NATURAL:
                 delta = guard["eval_mean"] - best["eval_mean"]
                 t["target"] = "eval loss <= best peer (mean over seeds)"
@@ -717,7 +718,8 @@ def render(rows: List[Dict[str, Any]], methods: List[str], seeds: Sequence[int])
                   "| workload | scenario | best peer | best peer gap | guard gap | target | met | detail |",
                   "|---|---|---|---:|---:|---|---|---|"]
         for t in tg:
-            lines.append(f"| {t['workload']} | {t['scenario']} | {SHORT.get(t['best_peer'], t['best_peer'])} | {fmt_gap(t['best'])} | "
+            best = SHORT.get(t["best_peer"], t["best_peer"])
+            lines.append(f"| {t['workload']} | {t['scenario']} | {best} | {fmt_gap(t['best'])} | "
                          f"{fmt_gap(t['guard'])} | {t['target']} | {'yes' if t['met'] else '**no**'} | {t['detail']} |")
         lines.append("")
     for w in workloads:
@@ -749,8 +751,8 @@ def render(rows: List[Dict[str, Any]], methods: List[str], seeds: Sequence[int])
             lines.append("")
     lines += ["Methods: " + "; ".join(f"{SHORT.get(m, m)} = {m}" for m in methods) + ". AdaGC*: our implementation "
               "from the paper (arXiv:2502.11034), bench/peers.py.", ""]
-    lines += [f"Gap: eval loss ({HELD_OUT} held-out batches after training) relative to the clean plain run of the same "
-              "workload and seed; `div. (k/n)`: k of n seeds ended with non-finite weights or loss. Skipped: steps "
+    lines += [f"Gap: eval loss ({HELD_OUT} held-out batches after training) relative to the clean plain run of "
+              "the same workload and seed; `div. (k/n)`: k of n seeds ended with non-finite weights or loss. Skipped: steps "
               "refused; clipped: steps whose gradient the method scaled down (for clip_grad_norm_ and ZClip that "
               "is their ordinary operation). Recall: injected steps skipped or clipped. False skips: skipped steps "
               "without an injected fault. Level shift: steps after the shift until the method stops skipping or "

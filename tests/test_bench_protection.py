@@ -268,8 +268,9 @@ def test_reuse_carries_peer_rows_over(bench, tmp_path):
     assert {r["method"] for r in other} == {"stabilityguard (ours, default)"}
 
 
-TRUNCATED = ("workload,scenario,method,diverged,seed,steps,skipped,clipped,false_skips,refused_until,modified_until,"
-             "final_loss,eval_loss,recall,skip_recall,max_attn_logit,seconds\ngpt,clean,plain,maybe,0,40,0,0,0,,,1,1,,,,1\n")
+TRUNCATED = ("workload,scenario,method,diverged,seed,steps,skipped,clipped,false_skips,refused_until,"
+             "modified_until,final_loss,eval_loss,recall,skip_recall,max_attn_logit,seconds\n"
+             "gpt,clean,plain,maybe,0,40,0,0,0,,,1,1,,,,1\n")
 
 
 @pytest.mark.parametrize("content", ["", "a,b\n1,2\n", "\x00\x01garbage", None, TRUNCATED])
