@@ -56,8 +56,10 @@ def test_definitions_on_hand_made_series(es):
     assert (ratio["preceded"], ratio["moves"], ratio["false_alarms"]) == (0, 1, 0)
     # the spike is 80 - 20 = 60 steps after the warm-up, but 70 steps before the jump at 150: "away"
     assert es["score"]([run], "grad_norm", 6.0, "away")["spikes"] == 1
+    assert es["score"]([run], "grad_norm", 6.0, "near")["spikes"] == 0
     run["planned_steps"] = 120  # jump at 60: the spike is now within the horizon after it
     assert es["score"]([run], "grad_norm", 6.0, "away")["spikes"] == 0
+    assert es["score"]([run], "grad_norm", 6.0, "near")["preceded"] == 1
 
 
 def test_flagged_ignores_missing_and_flags_nonfinite(es):
@@ -112,7 +114,7 @@ def test_quick_run_reports_figures_from_the_run(es, tmp_path):
     groups = ["gpt-adamw", "mlp-sgdm", "all"]
     assert [(r["group"], r["spikes_scored"], r["signal"], r["k"]) for r in rows] == [
         (g, "all", s, k) for g in groups for s in signals for k in levels] + [
-        ("all", "away", s, k) for s in signals for k in levels]
+        ("all", subset, s, k) for subset in ("near", "away") for s in signals for k in levels]
     horizon, first = es["HORIZON"], es["SCORED_FROM"]
     for row in rows:
         if row["spikes_scored"] != "all":
@@ -140,10 +142,16 @@ def test_quick_run_reports_figures_from_the_run(es, tmp_path):
         assert (t["group"], t["signal"], float(t["k"]), int(t["spikes"]), int(t["preceded"]), int(t["moves"])) == (
             row["group"], row["signal"], row["k"], row["spikes"], row["preceded"], row["moves"])
     md = Path(str(out) + ".md").read_text()
-    assert "## Signals against loss spikes" in md and "## Spikes away from LR changes" in md
+    assert "## Signals against loss spikes" in md and "## Spikes near and away from LR changes" in md
     for r in runs:
         assert f"| {r['workload']} |" in md and f"{len(r['spikes'])}: " in md
-    assert md.count("| grad_norm |") == len(groups) * len(levels) + len(levels)
+    assert md.count("| grad_norm |") == len(groups) * len(levels) + 2 * len(levels)
+    by = {(r["group"], r["spikes_scored"], r["signal"], r["k"]): r for r in rows}
+    for s in signals:
+        for k in levels:
+            near, away, total = (by[("all", x, s, k)] for x in ("near", "away", "all"))
+            assert near["spikes"] + away["spikes"] == total["spikes"]
+            assert near["preceded"] + away["preceded"] == total["preceded"]
 
 
 def test_bad_arguments(es):
