@@ -339,6 +339,14 @@ def wilson(hits: int, n: int, z: float = 1.96) -> Tuple[Optional[float], Optiona
     return max(0.0, c - h), min(1.0, c + h)
 
 
+def vs_chance(hits: int, n: int, chance: Optional[float]) -> Optional[str]:
+    """``above``/``below`` when the recall's 95% interval lies above/below the chance recall, else ``chance``."""
+    low, high = wilson(hits, n)
+    if low is None or high is None or chance is None:
+        return None
+    return "above" if low > chance else "below" if high < chance else "chance"
+
+
 def away_from_lr_change(spike: int, steps: int) -> bool:
     """True for a spike at least HORIZON steps after the end of the warm-up and after the mid-run LR jump."""
     return not (WARMUP <= spike < WARMUP + HORIZON or steps // 2 <= spike < steps // 2 + HORIZON)
@@ -362,7 +370,8 @@ def score(runs: Sequence[Dict[str, Any]], signal: str, k: float, subset: str = "
         moves_total += len(moves)
         rate = len(moves) / max(n, 1)
         for s in spikes:
-            if s < SCORED_FROM or (subset != "all" and away_from_lr_change(s, r["planned_steps"]) != (subset == "away")):
+            away = away_from_lr_change(s, r["planned_steps"])
+            if s < SCORED_FROM or (subset != "all" and away != (subset == "away")):
                 continue
             spikes_total += 1
             before = [m for m in moves if s - HORIZON <= m <= s - 1]
@@ -380,6 +389,7 @@ def score(runs: Sequence[Dict[str, Any]], signal: str, k: float, subset: str = "
         "signal": signal, "k": k, "spikes_scored": subset, "spikes": spikes_total, "preceded": preceded,
         "recall": preceded / spikes_total if spikes_total else None,
         "recall_low": wilson(preceded, spikes_total)[0], "recall_high": wilson(preceded, spikes_total)[1],
+        "vs_chance": vs_chance(preceded, spikes_total, statistics.mean(chance) if chance else None),
         "chance_recall": statistics.mean(chance) if chance else None,
         "at_spike": at_spike,
         "lead_median": statistics.median(first_leads) if first_leads else None,
@@ -401,15 +411,17 @@ def _fmt(x: Any, digits: int = 0) -> str:
 
 
 def table_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    out = ["| workloads | spikes scored | signal | k | spikes | preceded (recall, 95% CI) | chance recall | moved at spike step | "
-           "lead median [min-max] | lead to last move (median) | false alarms / 1000 steps |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| workloads | spikes scored | signal | k | spikes | preceded (recall, 95% CI) | chance recall | "
+           "vs chance | moved at spike step | lead median [min-max] | lead to last move (median) | "
+           "false alarms / 1000 steps |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rec = f"{r['preceded']}/{r['spikes']} ({_pct(r['recall'])}"
         rec += ")" if r["recall"] is None else f", {_pct(r['recall_low'])}-{_pct(r['recall_high'])})"
         lead = "-" if r["lead_median"] is None else f"{_fmt(r['lead_median'], 1)} [{r['lead_min']}-{r['lead_max']}]"
-        out.append(f"| {r['group']} | {r['spikes_scored']} | {r['signal']} | {r['k']:g} | {r['spikes']} | {rec} | {_pct(r['chance_recall'])} | "
-                   f"{r['at_spike']} | {lead} | {_fmt(r['last_lead_median'], 1)} | "
+        out.append(f"| {r['group']} | {r['spikes_scored']} | {r['signal']} | {r['k']:g} | {r['spikes']} | {rec} | "
+                   f"{_pct(r['chance_recall'])} | {r['vs_chance'] or '-'} | {r['at_spike']} | {lead} | "
+                   f"{_fmt(r['last_lead_median'], 1)} | "
                    f"{_fmt(r['false_alarms_per_1000'], 1)} ({r['false_alarms']}) |")
     return out
 
@@ -434,6 +446,17 @@ def render(args: argparse.Namespace, runs: Sequence[Dict[str, Any]], rows: Seque
         stop = " (non-finite loss: stopped)" if r["steps"] < args.steps else ""
         lines.append(f"| {r['workload']} | {opt_name} | {peak:g} | x{jump:g} at {args.steps // 2} | {r['seed']} | "
                      f"{r['steps']}{stop} | {len(r['spikes'])}: {sp} |")
+    lines += ["", "## Which signals beat chance", "",
+              "Computed from the tables below: the rows whose recall's 95% interval lies above the chance recall "
+              "(a signal moving as often, at random).", ""]
+    above = [r for r in rows if r["vs_chance"] == "above"]
+    for r in above:
+        lines.append(f"* {r['group']} ({r['spikes_scored']} spikes): {r['signal']} at k={r['k']:g}: "
+                     f"{r['preceded']}/{r['spikes']} preceded vs {_pct(r['chance_recall'])} by chance, median lead "
+                     f"{_fmt(r['lead_median'], 1)} steps, {_fmt(r['false_alarms_per_1000'], 1)} false alarms / "
+                     "1000 steps")
+    if not above:
+        lines.append("* none")
     lines += ["", "## Signals against loss spikes", "",
               "Reading the table: recall is only worth something against the chance recall next to it (the "
               "recall of a signal that moves as often, at random); a lead of 50 is the horizon's edge; "
@@ -503,7 +526,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         with open(args.out + ".md", "w") as f:
             f.write(text)
         with open(args.out + ".csv", "w", newline="") as f:
-            fields = ["group", "spikes_scored", "signal", "k", "spikes", "preceded", "recall", "recall_low", "recall_high", "chance_recall", "at_spike",
+            fields = ["group", "spikes_scored", "signal", "k", "spikes", "preceded", "recall", "recall_low",
+                      "recall_high", "chance_recall", "vs_chance", "at_spike",
                       "lead_median", "lead_min", "lead_max", "last_lead_median", "moves", "false_alarms", "steps",
                       "false_alarms_per_1000"]
             wr = csv.DictWriter(f, fieldnames=fields)

@@ -62,6 +62,16 @@ def test_definitions_on_hand_made_series(es):
     assert es["score"]([run], "grad_norm", 6.0, "near")["preceded"] == 1
 
 
+def test_wilson_and_vs_chance(es):
+    low, high = es["wilson"](19, 37)
+    assert 0.35 < low < 0.37 and 0.66 < high < 0.68  # textbook Wilson interval of 19/37
+    assert es["wilson"](0, 0) == (None, None)
+    assert es["vs_chance"](14, 14, 0.29) == "above"
+    assert es["vs_chance"](0, 20, 0.5) == "below"
+    assert es["vs_chance"](5, 23, 0.25) == "chance"
+    assert es["vs_chance"](1, 2, None) is None
+
+
 def test_flagged_ignores_missing_and_flags_nonfinite(es):
     vals: List[Optional[float]] = [1.0 + 0.01 * (i % 3) for i in range(30)] + [None, math.nan, 1.0, math.inf]
     fl = es["flagged"](vals, 6.0)
