@@ -592,7 +592,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         fields.setdefault("threshold", self.config.spike_threshold)
         decision = verdict.decision if verdict is not None else None
         ratio, index = (decision.max_ratio, decision.max_index) if decision is not None else (math.nan, -1)
-        self._record(step, stats, ratio, index, action, refused=True)
+        self._record(step, stats, ratio, index, action, refused=True,
+                     loss_z=verdict.loss_z if verdict is not None else None)
         self.recorder.incident(step)
         event = self._events.incident(
             nonfinite, step, stats.values, stats.present, before, action=action, loss=json_float(stats.loss),

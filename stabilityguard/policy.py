@@ -220,12 +220,12 @@ class GuardPolicy:
         early = self._consistent_shifts(decision)
         if early:
             decision = _accept_shifts(decision, early)
+        z = self.loss.zscore(loss) if self.loss is not None else None
         if not decision.accepted:
-            return Verdict(REFUSE, decision, consistent_shift=early)
+            return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early)
         gr = global_norm / self.global_ema if self.global_count >= self.warmup_steps else math.nan
         if not self.graded:
             return Verdict(ACCEPT, decision, global_ratio=gr, consistent_shift=early)
-        z = self.loss.zscore(loss) if self.loss is not None else None
         lim = self.outlier_ratio
         factors: Optional[List[float]] = None
         reasons: List[str] = []
