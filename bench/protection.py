@@ -329,6 +329,19 @@ class OursUngraded(Ours):
     options = {"graded_response": False}
 
 
+def guard_variant(options: Dict[str, Any]) -> type:
+    """A method class for the guard with these GuardedOptimizer keyword arguments (for tuning sweeps).
+
+    Example:
+        >>> guard_variant({"outlier_ratio": 2.0}).name
+        'ours {"outlier_ratio": 2.0}'
+    """
+    if not isinstance(options, dict) or not options:
+        raise ValueError(f"guard options must be a non-empty JSON object, got {options!r}")
+    label = "ours " + json.dumps(options, sort_keys=True)
+    return type("OursVariant", (Ours,), {"name": label, "short": label, "key": label, "options": dict(options)})
+
+
 class SG03(Method):
     name = "stabilityguard 0.3.0"
     short = "sg 0.3.0"
@@ -827,6 +840,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--seeds", nargs="*", type=int, help="seeds of clean and natural scenarios (default 0 1 2)")
     ap.add_argument("--fault-seeds", nargs="*", type=int, help="seeds of injected faults (default: the first seed)")
     ap.add_argument("--methods", nargs="*", choices=list(ALL_METHODS), help=f"default {DEFAULT_METHODS}")
+    ap.add_argument("--guard-options", nargs="*", default=[], metavar="JSON",
+                    help='extra guard variants, one per JSON object of GuardedOptimizer arguments, '
+                         'e.g. \'{"outlier_ratio": 2.0}\'')
     ap.add_argument("--no-sg03", action="store_true", help="leave out the 0.3.0 release")
     ap.add_argument("--progress", action="store_true", help="one line per run on stderr")
     ap.add_argument("--out", type=Path, help="write OUT.md, OUT.csv and OUT.png")
@@ -869,7 +885,17 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     steps = {w: args.steps or (40 if args.quick else DEFAULT_STEPS[w]) for w in W.WORKLOADS}
     triples = plan(workloads, scenarios, seeds, fault_seeds)
     local = [ALL_METHODS[k] for k in keys if k != "sg03"]
-    order = [ALL_METHODS[k].name for k in keys]
+    variants = []
+    for text in args.guard_options:
+        try:
+            variant = guard_variant(json.loads(text))
+            with tempfile.TemporaryDirectory() as tmp:  # bad arguments fail here, not after an hour of runs
+                variant(torch.nn.Linear(1, 1), 1e-3, 0.0, tmp).close()
+        except (ValueError, TypeError) as exc:  # json.JSONDecodeError and ConfigError are ValueErrors
+            ap.error(f"--guard-options {text!r}: {exc}")
+        variants.append(variant)
+    local += variants
+    order = [ALL_METHODS[k].name for k in keys] + [v.name for v in variants]
     old: List[Dict[str, Any]] = []
     if args.reuse is not None:
         try:
@@ -883,7 +909,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         known = {m.name: m.key for m in ALL_METHODS.values()}
         extra = [known.get(m) for m in dict.fromkeys(r["method"] for r in old)]
         keys_all = [k for k in [m.key for m in PEERS + OURS] if k in keys or k in extra]
-        order = [ALL_METHODS[k].name for k in keys_all]
+        order = [ALL_METHODS[k].name for k in keys_all] + [v.name for v in variants]
         rows += [r for r in old if r["method"] in order]
     rows.sort(key=lambda r: (W.WORKLOADS.index(r["workload"]), SCENARIOS.index(r["scenario"]), r["seed"],
                              order.index(r["method"])))
