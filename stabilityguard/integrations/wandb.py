@@ -106,8 +106,14 @@ class WandBBridge(TrackerBridge):
     def _init(self, kwargs: Dict[str, Any], timeout: float) -> Any:
         if "settings" not in kwargs:
             kwargs["settings"] = self._wandb.Settings(init_timeout=timeout)
-        if os.environ.get("WANDB_RUN_ID") and "resume" not in kwargs and "id" not in kwargs:
-            kwargs["resume"] = "allow"
+        # Read here, not left to wandb: wandb caches its environment at its first setup in the process,
+        # so a variable set later (a second run, a test) would be ignored.
+        env_id, env_project = os.environ.get("WANDB_RUN_ID"), os.environ.get("WANDB_PROJECT")
+        if env_id and "id" not in kwargs:
+            kwargs["id"] = env_id
+            kwargs.setdefault("resume", "allow")
+        if env_project and "project" not in kwargs:
+            kwargs["project"] = env_project
         try:
             return self._wandb.init(**kwargs)
         except self._wandb.errors.CommError as exc:
