@@ -33,7 +33,7 @@ refused. Inconsistent runs are accepted after ``level_shift_patience`` steps, as
 Example:
     >>> pol = GuardPolicy(["fc"], 1, [0], spike_threshold=10, ema_alpha=0.1, warmup_steps=2)
     >>> for _ in range(3):
-    ...     pol.commit(pol.decide([1.0], None, 1.0, None), [1.0], None, None)
+    ...     _ = pol.commit(pol.decide([1.0], None, 1.0, None), [1.0], None, None)
     >>> pol.decide([50.0], None, 50.0, None).kind
     'refuse'
     >>> v = pol.decide([4.0], None, 4.0, None)
