@@ -36,9 +36,9 @@ Example:
     ...     _ = pol.commit(pol.decide([1.0], None, 1.0, None), [1.0], None, None)
     >>> pol.decide([50.0], None, 50.0, None).kind
     'refuse'
-    >>> v = pol.decide([4.0], None, 4.0, None)
-    >>> v.kind, round(v.factors[0], 3)
-    ('clip', 0.5)
+    >>> v = pol.decide([4.0], None, 4.0, None)  # 4x: scaled back to 3x its baseline
+    >>> v.kind, v.factors, v.reasons
+    ('clip', [0.75], ('layer', 'global'))
 """
 
 from __future__ import annotations
