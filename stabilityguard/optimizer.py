@@ -168,6 +168,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
         self._origin = self._register_origin_probe(model)
         self._build_index()
+        if config.track_update_size and any(hasattr(p, "to_local") for p in self._index.params):
+            raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
+                              "got track_update_size=True")
 
         self._spam: Optional[MomentumReset] = None
         if config.enable_spam:
@@ -415,8 +418,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._buffers.restore()
         self.counters.skipped += 1
         self.counters.steps = step + 1
+        if self._origin is not None:
+            self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
+        lr = self.param_groups[0].get("lr") if self.param_groups else None
+        self.recorder.record(step, math.nan, None, lr, None, None, "skip")
+        self._window.add(math.nan, None, math.nan, None, True)
         self._events.action(step, action="skip", reason=reason)
         self._buffers.mark()
+        if (step + 1) % self.config.log_every == 0:
+            self._emit_summary(step, None)
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if closure is not None:
@@ -638,7 +648,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._buffers.restore()  # raise: weights, state and buffers untouched, grads left for inspection
         return action, None
 
-    def _emit_summary(self, step: int, stats: GradStats) -> None:
+    def _emit_summary(self, step: int, stats: Optional[GradStats]) -> None:
         lr = self.param_groups[0].get("lr") if self.param_groups else None
         post, clipped = None, None
         if self._clip_input is not None and self._clipper is not None:  # accepted and clipped per layer
@@ -647,8 +657,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 post = math.sqrt(sum(v * v for v in after))
                 clipped = sum(1 for a, b in zip(after, self._clip_input) if a < b)
         window = self._window.close()
-        self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm),
-                             loss=json_float(stats.loss), lr=json_float(lr), threshold=self.config.spike_threshold,
+        self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm) if stats else None,
+                             loss=json_float(stats.loss) if stats else None, lr=json_float(lr),
+                             threshold=self.config.spike_threshold,
                              post_clip_global_norm=json_float(post), clipped_layers=clipped, **window)
 
     # ----------------------------------------------------------------------------- lifecycle
