@@ -230,22 +230,25 @@ class RollbackManager:
             total += sum(v.numel() * v.element_size() for v, _ in st.values() if isinstance(v, torch.Tensor))
         return total
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The snapshot (tensors on ``device``) and its schedule; loadable with ``weights_only=True``."""
-        return {
-            "snapshot_step": self.snapshot_step,
-            "accepted_since": self._accepted_since,
-            "tensors": dict(self._tensors),
-            "opt_state": {n: {k: v for k, (v, _) in st.items()} for n, st in self._opt_state.items()},
-        }
+    def state_dict(self, tensors: bool = True) -> Dict[str, Any]:
+        """The snapshot (tensors on ``device``) and its schedule; loadable with ``weights_only=True``.
+        ``tensors=False``: the schedule only (JSON-native); a load then snapshots the state it finds."""
+        out: Dict[str, Any] = {"snapshot_step": self.snapshot_step, "accepted_since": self._accepted_since}
+        if tensors:
+            out["tensors"] = dict(self._tensors)
+            out["opt_state"] = {n: {k: v for k, (v, _) in st.items()} for n, st in self._opt_state.items()}
+        return out
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a missing snapshot is taken from the current state."""
-        self._accepted_since = int(state.get("accepted_since", 0))
+    def load_state_dict(self, state: Dict[str, Any], current_step: int = 0) -> None:
+        """Restore :meth:`state_dict` output; without its tensors, the current state is the snapshot
+        (taken as of ``current_step``)."""
         step = state.get("snapshot_step")
         tensors = state.get("tensors")
         if step is None or tensors is None:
+            self.snapshot(current_step)
+            self._accepted_since = int(state.get("accepted_since", 0))
             return
+        self._accepted_since = int(state.get("accepted_since", 0))
         live = dict(self.named)
         self._tensors = {n: t.to(self.device, copy=True) for n, t in tensors.items() if n in live}
         self._opt_state = {}

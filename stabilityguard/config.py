@@ -92,7 +92,8 @@ class GuardConfig:
 
     level_shift_steps: int = 6
     """Consecutive critical spikes of one layer, with consistent ratios (see ``level_shift_spread``),
-    after which its new level is accepted. Runs of bad batches shorter than this are always refused."""
+    after which its new level is accepted (>= 2). Runs of bad batches shorter than this are always
+    refused. The loss signal uses it too: this many loss outliers in a row are a new loss level."""
 
     level_shift_spread: float = 2.0
     """Largest / smallest ratio of a run of spikes that still counts as a consistent level shift (>= 1)."""
@@ -230,7 +231,7 @@ class GuardConfig:
         if self.loss_z_threshold is not None:
             _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False)
         _check_int("loss_window", self.loss_window, low=20)
-        _check_int("level_shift_steps", self.level_shift_steps, low=1)
+        _check_int("level_shift_steps", self.level_shift_steps, low=2)
         _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
         _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1)
         if not isinstance(self.track_update_size, bool):

@@ -190,8 +190,10 @@ class Spike(GuardEvent):
         ema_baselines: Baseline of every layer and parameter before this step (``null`` before warm-up).
         nan_layers: Layers with NaN/Inf gradients (empty for a finite spike).
         window: The flight recorder's last steps up to this one (schema 1.5), oldest first: dicts with
-            ``step``, ``global_norm``, ``loss``, ``lr``, ``max_ratio``, ``max_ratio_layer``, ``action``.
-        origin_ranks: Under DDP, the ranks whose local gradients were non-finite (``null``: unknown).
+            ``step``, ``global_norm``, ``loss``, ``lr``, ``max_ratio``, ``max_ratio_layer``, ``action``,
+            ``loss_z`` and ``update_rms``.
+        origin_ranks: Under DDP, the ranks whose local gradients were non-finite (for NaN/Inf) or over twice
+            the ranks' lower median norm (for a spike) before the all-reduce (``null``: unknown).
     """
 
     kind: ClassVar[EventKind] = EventKind.SPIKE

@@ -148,6 +148,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
         self._skip_reason: Optional[str] = None
+        self._from_measure = False
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
         self._policy: Optional[GuardPolicy] = None
@@ -167,6 +168,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
         self._origin = self._register_origin_probe(model)
         self._build_index()
+        if config.track_update_size and any(hasattr(p, "to_local") for p in self._index.params):
+            raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
+                              "got track_update_size=True")
 
         self._spam: Optional[MomentumReset] = None
         if config.enable_spam:
@@ -391,7 +395,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Measure the gradients now; the next :meth:`step` decides on these numbers.
 
         For frameworks that transform gradients between backward and ``step()`` (gradient clipping in
-        Lightning, say): call this before the transformation so detection sees the raw gradients.
+        Lightning, say): call this before the transformation so detection sees the raw gradients. Such a
+        step is refused or taken as decided, but an outlier is not scaled back (the gradients may have
+        been clipped since they were measured; the ``clip`` record is not written either).
 
         Example:
             >>> loss.backward()  # doctest: +SKIP
@@ -412,14 +418,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._buffers.restore()
         self.counters.skipped += 1
         self.counters.steps = step + 1
+        if self._origin is not None:
+            self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
+        lr = self.param_groups[0].get("lr") if self.param_groups else None
+        self.recorder.record(step, math.nan, None, lr, None, None, "skip")
+        self._window.add(math.nan, None, math.nan, None, True)
         self._events.action(step, action="skip", reason=reason)
         self._buffers.mark()
+        if (step + 1) % self.config.log_every == 0:
+            self._emit_summary(step, None)
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()  # may call skip_next_step (framework hooks run inside the closure)
-        elif loss is None:
+                loss = closure()  # may call skip_next_step or observe_loss (framework hooks run inside it)
+        if loss is None:
             loss = self._pending_loss
         if self._skip_reason is not None:
             self._skip_requested(self._skip_reason)
@@ -428,6 +441,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         step = self.counters.steps
         self._clip_input = None
         stats, self._measured = self._measured, None
+        self._from_measure = stats is not None
         if stats is None:
             stats = self._collector.collect(loss)
         self.last_stats = stats
@@ -511,13 +525,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict], record: str = "accepted") -> None:
         """Take the step: scale outliers back, calibration, optional clipping, the wrapped step, snapshots."""
         decision = verdict.decision if verdict is not None else None
-        monitor = verdict is None  # monitor mode takes a refused step unchanged
         if decision is not None and self._calibrator is not None:
             self._calibrate(step, decision.ratios)
         if self._eos is not None:
             self._eos.before_update(step)  # the secant holds the raw gradients and parameters, when due
         layer_norms = stats.layer_norms
-        if verdict is not None and verdict.kind == CLIP and self.config.nan_action != "monitor":
+        # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
+        # predate a framework's own clipping, so they are not scaled again (see measure()).
+        if verdict is not None and verdict.kind == CLIP and self.config.nan_action != "monitor" \
+                and not self._from_measure:
             assert verdict.factors is not None
             self._scale_layers(verdict.factors)
             layer_norms = [v * f for v, f in zip(layer_norms, verdict.factors)]
@@ -525,13 +541,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
             record = "clip"
             self._events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
         max_norm = self.config.clip_grad_norm
-        if max_norm is not None and not monitor:
+        if max_norm is not None:  # the user's own clipping, also in monitor mode
             # Clip with the norm already measured: no second pass over the gradients, no sync.
-            coef = max_norm / (math.sqrt(sum(v * v for v in layer_norms)) + 1e-6)
+            total = stats.global_norm if record == "accepted" else math.sqrt(sum(v * v for v in layer_norms))
+            coef = max_norm / (total + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in self._index.params if p.grad is not None], coef)
                 layer_norms = [v * coef for v in layer_norms]
-        if self._clipper is not None and not monitor and self._clipper.apply(layer_norms):
+        if self._clipper is not None and self._clipper.apply(layer_norms):
             self._clip_input = layer_norms
         before = None
         if self.config.track_update_size:
@@ -631,7 +648,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._buffers.restore()  # raise: weights, state and buffers untouched, grads left for inspection
         return action, None
 
-    def _emit_summary(self, step: int, stats: GradStats) -> None:
+    def _emit_summary(self, step: int, stats: Optional[GradStats]) -> None:
         lr = self.param_groups[0].get("lr") if self.param_groups else None
         post, clipped = None, None
         if self._clip_input is not None and self._clipper is not None:  # accepted and clipped per layer
@@ -640,8 +657,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 post = math.sqrt(sum(v * v for v in after))
                 clipped = sum(1 for a, b in zip(after, self._clip_input) if a < b)
         window = self._window.close()
-        self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm),
-                             loss=json_float(stats.loss), lr=json_float(lr), threshold=self.config.spike_threshold,
+        self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm) if stats else None,
+                             loss=json_float(stats.loss) if stats else None, lr=json_float(lr),
+                             threshold=self.config.spike_threshold,
                              post_clip_global_norm=json_float(post), clipped_layers=clipped, **window)
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -659,9 +677,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.close()
 
     # ----------------------------------------------------------------------------- checkpoints
-    def guard_state_dict(self) -> Dict[str, Any]:
+    def guard_state_dict(self, tensors: bool = True) -> Dict[str, Any]:
         """The guard's own state: baselines, loss window, counters, feature state, the rollback snapshot
-        and its schedule, the flight recorder. Loadable with ``torch.load(weights_only=True)``."""
+        and its schedule, the flight recorder. Loadable with ``torch.load(weights_only=True)``.
+
+        Args:
+            tensors: ``False`` leaves out the rollback snapshot's tensors, so the state is JSON-native
+                (for ``json.dumps``, e.g. in a Trainer's ``trainer_state.json``); a load then takes the
+                snapshot from the state it finds.
+        """
         assert self._policy is not None
         out: Dict[str, Any] = {
             "format": 2,
@@ -671,9 +695,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
             "summary_window": self._window.state_dict(),
         }
         for key, part in (("spam", self._spam), ("calibration", self._calibrator), ("edge_of_stability", self._eos),
-                          ("helene", self._clipper), ("rollback", self._rollback)):
+                          ("helene", self._clipper)):
             if part is not None:
                 out[key] = part.state_dict()
+        if self._rollback is not None:
+            out["rollback"] = self._rollback.state_dict(tensors=tensors)
+        rider = self._collector.rider  # the last accepted step's update size, not read yet
+        if rider is not None:
+            out["pending_update"] = {"step": self._update_of, "sq": float(rider)}  # a sync, at checkpoints only
         return out
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
@@ -700,9 +729,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._detector.limits = self._calibrator.thresholds
             self._detector.suspended = False
         if self._rollback is not None:
-            self._rollback.snapshot(self.counters.steps)  # fallback for checkpoints without a snapshot
-            if "rollback" in state:
-                self._rollback.load_state_dict(state["rollback"])
+            self._rollback.load_state_dict(state.get("rollback", {}), self.counters.steps)
+        pending = state.get("pending_update")
+        if pending is not None and self.config.track_update_size:
+            self._collector.rider = torch.tensor(float(pending["sq"]))
+            self._update_of = int(pending["step"])
+        self._buffers.mark()  # the buffers as loaded are the state a refused step returns to
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"`` (the
@@ -733,6 +765,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
             if self._rollback is not None:
                 self._rollback.snapshot(self.counters.steps)
+            self._buffers.mark()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

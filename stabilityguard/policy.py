@@ -33,12 +33,12 @@ refused. Inconsistent runs are accepted after ``level_shift_patience`` steps, as
 Example:
     >>> pol = GuardPolicy(["fc"], 1, [0], spike_threshold=10, ema_alpha=0.1, warmup_steps=2)
     >>> for _ in range(3):
-    ...     pol.commit(pol.decide([1.0], None, 1.0, None), [1.0], None)
+    ...     _ = pol.commit(pol.decide([1.0], None, 1.0, None), [1.0], None, None)
     >>> pol.decide([50.0], None, 50.0, None).kind
     'refuse'
-    >>> v = pol.decide([4.0], None, 4.0, None)
-    >>> v.kind, round(v.factors[0], 3)
-    ('clip', 0.5)
+    >>> v = pol.decide([4.0], None, 4.0, None)  # 4x: scaled back to 3x its baseline
+    >>> v.kind, v.factors, v.reasons
+    ('clip', [0.75], ('layer', 'global'))
 """
 
 from __future__ import annotations
@@ -105,10 +105,12 @@ class LossMonitor:
     #: scale are those of the last refresh.
     REFRESH = 8
 
-    def __init__(self, *, window: int, z_threshold: float, min_count: int = 20) -> None:
+    def __init__(self, *, window: int, z_threshold: float, min_count: int = 20, shift_after: int = 6) -> None:
         self.window = int(window)
         self.z_threshold = float(z_threshold)
-        self.min_count = int(min_count)
+        self.min_count = min(int(min_count), self.window)
+        self.shift_after = int(shift_after)
+        self.run: List[float] = []  # the current run of consecutive outliers (raw values)
         self.values: Deque[float] = deque(maxlen=self.window)
         self.added = 0  # losses added so far (schedules the refreshes)
         self.stats: Optional[Tuple[float, float]] = None  # (median, scale) of the last refresh
@@ -129,9 +131,16 @@ class LossMonitor:
         med, scale = self.stats
         return (loss - med) / scale
 
-    def add(self, loss: Optional[float]) -> None:
-        """Add an accepted step's loss (winsorised at the outlier bound)."""
+    def add(self, loss: Optional[float], outlier: bool = False) -> None:
+        """Add an accepted step's loss (winsorised at the outlier bound). ``shift_after`` outliers in a
+        row are a new level: the window restarts from them (a data-mix change, not a bad batch)."""
         if loss is None or not math.isfinite(loss):
+            return
+        self.run = self.run + [float(loss)] if outlier else []
+        if len(self.run) >= self.shift_after:
+            self.values = deque(self.run, maxlen=self.window)
+            self.run = []
+            self._refresh()
             return
         if self.stats is not None and len(self.values) >= self.min_count:
             med, scale = self.stats
@@ -142,12 +151,13 @@ class LossMonitor:
             self._refresh()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"values": list(self.values), "added": self.added,
+        return {"values": list(self.values), "added": self.added, "run": list(self.run),
                 "stats": None if self.stats is None else list(self.stats)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.values = deque((float(v) for v in state.get("values", [])), maxlen=self.window)
         self.added = int(state.get("added", len(self.values)))
+        self.run = [float(v) for v in state.get("run", [])]
         st = state.get("stats")
         self.stats = (float(st[0]), float(st[1])) if st else None
         if self.stats is None and self.values:
@@ -202,7 +212,7 @@ class GuardPolicy:
         self.loss: Optional[LossMonitor] = None
         if graded and loss_z_threshold is not None:
             self.loss = LossMonitor(window=loss_window, z_threshold=loss_z_threshold,
-                                    min_count=max(20, self.warmup_steps))
+                                    min_count=max(20, self.warmup_steps), shift_after=level_shift_steps)
         self.global_ema = 0.0
         self.global_count = 0
         #: Per layer, the ratios of its current run of consecutive critical spikes.
@@ -289,7 +299,7 @@ class GuardPolicy:
                 self.global_ema += max(self.alpha, 1.0 / (c + 1)) * (gn - self.global_ema)
                 self.global_count = min(c + 1, 1_000_000)
             if self.loss is not None:
-                self.loss.add(loss)
+                self.loss.add(loss, outlier=verdict.loss_z is not None and verdict.loss_z > self.loss.z_threshold)
         return before
 
     # ------------------------------------------------------------------ state

@@ -79,7 +79,8 @@ class FlightRecorder:
         return [(s, [r for r in self.window(s) if r["step"] <= s + self.after]) for s in due]
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"rows": [list(r) for r in self.rows], "open": list(self.open)}
+        """The rows (JSON-native: non-finite numbers as ``None``) and the incidents awaiting their window."""
+        return {"rows": [list(_row(r).values()) for r in self.rows], "open": list(self.open)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.rows = deque((tuple(r) for r in state.get("rows", [])), maxlen=self.size)

@@ -345,12 +345,12 @@ class GradStatsCollector:
             else:
                 norms = torch._foreach_norm(glist, 2)
             vec.index_copy_(0, torch.tensor(idx, device=device), torch.stack(norms).to(device, torch.float32))
-        with_loss = isinstance(loss, torch.Tensor)
+        with_loss = loss is not None
         loss_val: Optional[float] = None
-        if with_loss:
+        if isinstance(loss, torch.Tensor):
             vec[n] = loss.detach().float().mean().to(device)
-        elif loss is not None:
-            loss_val = float(loss)  # a Python float is this rank's own loss
+        elif with_loss:
+            vec[n] = float(loss)  # a Python float too: every rank must decide on the same (mean) loss
         red = vec * vec * self._weights
         red[n] = vec[n] / self._world
         probe = self.origin

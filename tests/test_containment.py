@@ -264,3 +264,56 @@ def test_console_names_the_report_really_written_or_says_it_failed(tmp_path):
     console2.emit(ev)
     console2.emit(ActionTaken(run_id="r", step=7, action="skip"))
     assert "could not be written" in out2.getvalue() and "written →" not in out2.getvalue()
+
+
+def test_guard_state_without_tensors_is_strict_json_with_rollback_and_helene():
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, nan_action="rollback",
+                           enable_helene=True, log_dir=None, verbose=False, rollback_interval=2)
+    for i in range(6):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        if i == 5:
+            poison_grad(model.fc2)
+        opt.step(loss=loss * float("nan") if i == 5 else loss)
+        opt.zero_grad()
+    text = json.dumps(opt.guard_state_dict(tensors=False), allow_nan=False)  # what trainer_state.json holds
+    fresh = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, nan_action="rollback",
+                             enable_helene=True, log_dir=None, verbose=False, rollback_interval=2)
+    fresh.load_guard_state_dict(json.loads(text))
+    assert fresh._rollback.snapshot_step == fresh.counters.steps == 6  # the state as loaded is the snapshot
+    opt.close()
+    fresh.close()
+
+
+def test_buffers_loaded_after_construction_are_what_a_refused_step_returns_to(tmp_path):
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, verbose=False)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["bn.running_mean"] = torch.full((8,), 5.0)
+    model.load_state_dict(state)
+    opt.load_state_dict(opt.state_dict())  # the usual resume order: model, then optimizer
+    model(torch.randn(8, 4)).sum().backward()
+    poison_grad(model.fc2)
+    opt.step()
+    assert torch.equal(model.bn.running_mean, torch.full((8,), 5.0))
+    opt.close()
+
+
+def test_skip_next_step_keeps_the_summary_schedule(tmp_path):
+    model = nn.Linear(3, 1)
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=tmp_path, verbose=False,
+                           log_every=5)
+    for i in range(10):
+        model(torch.randn(4, 3)).sum().backward()
+        if i == 4:
+            opt.skip_next_step("recorded_batch")
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    summaries = _events(tmp_path, "step_summary")
+    assert [s["step"] for s in summaries] == [4, 9] and summaries[0]["skipped"] == 1
+    (action,) = [a for a in _events(tmp_path, "action") if a["reason"] == "recorded_batch"]
+    assert action["step"] == 4 and action["action"] == "skip"

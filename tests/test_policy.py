@@ -19,7 +19,7 @@ def make(**kw):
     return GuardPolicy(["a", "b"], 2, [0, 1], **kw)
 
 
-def feed(pol, values, loss=None, n=1):
+def feed(pol, values, loss=None, n=1):  # noqa: D103
     v = None
     for _ in range(n):
         v = pol.decide(values, None, math.sqrt(sum(x * x for x in values)), loss)
@@ -136,3 +136,17 @@ def test_state_round_trip_is_json_and_decides_identically():
         a = pol.decide(vals, None, 7.0, loss)
         b = other.decide(vals, None, 7.0, loss)
         assert (a.kind, a.factors, a.loss_z) == (b.kind, b.factors, b.loss_z)
+
+
+def test_a_sustained_new_loss_level_is_accepted_after_level_shift_steps():
+    pol = make(level_shift_steps=6)
+    warm(pol, 60, loss=1.0)
+    kinds = [feed(pol, [1.0, 1.0], loss=1.5).kind for _ in range(10)]
+    assert kinds[:6] == [CLIP] * 6 and CLIP not in kinds[7:]  # scaled back six times, then the new level
+
+
+def test_loss_window_smaller_than_warmup_still_gives_a_signal():
+    pol = GuardPolicy(["a"], 1, [0], spike_threshold=10.0, ema_alpha=0.1, warmup_steps=50, loss_window=30)
+    for i in range(80):
+        feed(pol, [1.0], loss=1.0 + 0.01 * (i % 3))
+    assert pol.loss.zscore(5.0) is not None

@@ -138,7 +138,7 @@ class LayerClipper:
     def state_dict(self) -> Dict[str, Any]:
         """Thresholds (on the host), their age and the parameter set they were computed for."""
         return {
-            "thresholds": None if self.thresholds is None else self.thresholds.detach().cpu(),
+            "thresholds": None if self.thresholds is None else self.thresholds.tolist(),  # JSON-native
             "age": self._age,
             "key": None if self._key is None else list(self._key),
             "clipped_steps": self.clipped_steps,

@@ -473,11 +473,12 @@ class StabilityGuardCallback(TrainerCallback):
             return
         if state.stateful_callbacks is None:
             state.stateful_callbacks = {}
-        state.stateful_callbacks[STATE_KEY] = {"guard": self.guard.guard_state_dict()}
+        # JSON-native (the Trainer json.dumps it): without the rollback snapshot's tensors.
+        state.stateful_callbacks[STATE_KEY] = {"guard": self.guard.guard_state_dict(tensors=False)}
 
     def state_dict(self) -> Dict[str, Any]:
         """The guard's state (what checkpoints carry in ``trainer_state.json``); ``{}`` before training."""
-        return {} if self.guard is None else {"guard": self.guard.guard_state_dict()}
+        return {} if self.guard is None else {"guard": self.guard.guard_state_dict(tensors=False)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load :meth:`state_dict` output now, or at the next ``on_train_begin`` if there is no guard yet.

@@ -181,7 +181,10 @@ class StabilityGuardCallback(_pl.Callback):
             self._loss = None
             return
         loss, self._loss = self._loss, None  # consumed: a second optimizer (manual optimization) gets its own
-        guard.measure(loss)  # before Lightning clips the gradients
+        if getattr(trainer, "gradient_clip_val", None):
+            guard.measure(loss)  # before Lightning clips the gradients (outliers are then not scaled back)
+        elif loss is not None:
+            guard.observe_loss(loss)  # step() measures the unchanged gradients itself
 
     def _record_context(self) -> Dict[str, Any]:
         trainer = self._trainer

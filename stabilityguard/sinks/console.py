@@ -134,7 +134,7 @@ class ConsoleSink:
                          "stabilityguard.log: the spike report could not be written (see the warning); "
                          "the event is in the JSONL log")
         if action.action == "skip":
-            lines.append("Your model weights and module buffers are untouched. Training continues.")
+            lines.append("Your model weights are untouched. Training continues.")
         elif action.action == "rollback":
             lines.append("Model and optimizer restored. Training continues.")
         elif action.action == "monitor":
