@@ -155,7 +155,7 @@ def applies(scenario: str, workload: str) -> bool:
 
 # ----------------------------------------------------------------------------------------- methods
 
-SKIP, CLIP = "skip", "clip"
+SKIP, CLIP, REPORT = "skip", "clip", "report"  # REPORT: observe-only mode flagged the step, changed nothing
 
 
 def _grad_norm(params: Sequence[torch.Tensor]) -> float:
@@ -322,6 +322,20 @@ class OursHelene(Ours):
     options = {"enable_helene": True}
 
 
+class OursMonitor(Ours):
+    """Observe-only mode: must train exactly like plain AdamW and report every injected fault."""
+
+    name = "ours, nan_action=monitor"
+    short = "ours, monitor"
+    key = "ours_monitor"
+    options = {"nan_action": "monitor"}
+
+    def step(self, loss, step):
+        before = self.opt.counters.would_refuse
+        self.opt.step(loss=loss)
+        return REPORT if self.opt.counters.would_refuse > before else None
+
+
 class OursUngraded(Ours):
     name = "ours, graded_response=False"
     short = "ours, ungraded"
@@ -363,7 +377,7 @@ class SG03(Method):
 
 
 PEERS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, AdaGCMethod, SG03]
-OURS: List[type] = [Ours, OursUngraded, OursSpam, OursCalibrated, OursHelene]
+OURS: List[type] = [Ours, OursUngraded, OursMonitor, OursSpam, OursCalibrated, OursHelene]
 ALL_METHODS: Dict[str, type] = {m.key: m for m in PEERS + OURS}
 DEFAULT_METHODS = ["plain", "clip", "zclip", "olmo", "adagc", "sg03", "ours"]
 GUARD = Ours.name
@@ -393,6 +407,7 @@ def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batch
     layers = workload.layers(model)
     skipped: List[int] = []
     clipped: List[int] = []
+    reported: List[int] = []
     losses: List[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         method = method_cls(model, scenario.lr(0), scenario.weight_decay(), tmp)
@@ -408,6 +423,8 @@ def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batch
                 skipped.append(step)
             elif outcome == CLIP:
                 clipped.append(step)
+            elif outcome == REPORT:
+                reported.append(step)
             method.zero_grad()
             losses.append(float(loss.detach()) / factor)
         elapsed = time.perf_counter() - t0
@@ -420,7 +437,7 @@ def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batch
         eval_loss = sum(float(workload.loss(model, b)) for b in held_out) / len(held_out)
     attn = workload.max_attention_logit(model, held_out[0]) if finite_w else None
     injected = set(scenario.injected)
-    acted = set(skipped) | set(clipped)
+    acted = set(skipped) | set(clipped) | set(reported)
     row: Dict[str, Any] = {
         "workload": workload.name,
         "scenario": scenario.name,
