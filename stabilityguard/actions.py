@@ -4,8 +4,9 @@
 
 * its parameters (those of its optimizer's parameter groups, nothing of another optimizer that shares
   the model) and their optimizer state;
-* the buffers of the modules it owns (a module owns a buffer when it, or the nearest enclosing module
-  with parameters, holds a parameter of this optimizer): BatchNorm running statistics written by the
+* the buffers of the modules it owns: a module's buffers are the guard's when the module's own
+  parameters (or, if it holds none directly, the parameters below it) include one of this optimizer's;
+  a module without any parameter follows its parent. BatchNorm running statistics written by the
   forward pass of a refused step are put back as they were before that forward pass.
 
 Not restored: the RNG state, the data loader's position, anything outside the model (a loss scaler's
@@ -46,23 +47,19 @@ def owned_buffers(model: Optional[torch.nn.Module], params: Sequence[torch.Tenso
     out: List[Tuple[str, torch.Tensor]] = []
     seen = set()
 
-    def visit(module: torch.nn.Module, prefix: str, owner_has: Optional[bool]) -> None:
-        direct = list(module.parameters(recurse=False))
-        if direct:
-            owner_has = any(id(p) in mine for p in direct)
-        elif owner_has is None and not any(True for _ in module.parameters()):
-            owner_has = None  # no parameters here or below: decided by an ancestor
+    def visit(module: torch.nn.Module, prefix: str, inherited: bool) -> None:
+        own = [id(p) for p in module.parameters(recurse=False)] or [id(p) for p in module.parameters()]
+        owner_has = any(i in mine for i in own) if own else inherited  # no parameters at all: the parent's
         for name, buf in module.named_buffers(recurse=False):
             if buf is None or id(buf) in seen:
                 continue
-            owned = owner_has if owner_has is not None else bool(mine)
-            if owned:
+            if owner_has:
                 seen.add(id(buf))
                 out.append((prefix + name, buf))
         for cname, child in module.named_children():
             visit(child, f"{prefix}{cname}.", owner_has)
 
-    visit(model, "", None)
+    visit(model, "", bool(mine))
     return out
 
 

@@ -317,3 +317,15 @@ def test_skip_next_step_keeps_the_summary_schedule(tmp_path):
     assert [s["step"] for s in summaries] == [4, 9] and summaries[0]["skipped"] == 1
     (action,) = [a for a in _events(tmp_path, "action") if a["reason"] == "recorded_batch"]
     assert action["step"] == 4 and action["action"] == "skip"
+
+
+def test_buffers_belong_to_the_optimizer_of_the_branch_that_holds_them():
+    from stabilityguard.actions import owned_buffers
+
+    gen = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False))  # a parameterless BatchNorm
+    disc = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model = nn.ModuleDict({"gen": gen, "disc": disc})
+    g_names = [n for n, _ in owned_buffers(model, list(gen.parameters()))]
+    d_names = [n for n, _ in owned_buffers(model, list(disc.parameters()))]
+    assert g_names == ["gen.1.running_mean", "gen.1.running_var", "gen.1.num_batches_tracked"]
+    assert d_names == ["disc.1.running_mean", "disc.1.running_var", "disc.1.num_batches_tracked"]
