@@ -72,6 +72,11 @@ def main(out: Path, mode: str) -> None:
         "hf_losses": {str(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h},
     }
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(result))
+    cb.guard.close()  # run_end now, not from a finalizer at interpreter exit
+    # Tear the gloo group down before the interpreter exits: left to exit-time destructors, its threads
+    # sometimes abort the process ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

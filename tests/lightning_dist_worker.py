@@ -76,6 +76,10 @@ def main(out: Path) -> None:
         "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters()), "steps": c.steps,
         "spikes": c.spikes, "nonfinite": c.nonfinite, "skipped": c.skipped, "records": cb.recorder.records,
     }))
+    cb.guard.close()
+    if torch.distributed.is_initialized():  # an explicit teardown: exit-time destructors of gloo may abort
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
