@@ -50,7 +50,7 @@ def worker(rank: int, world: int, init: str, rounds: int, block: int, out: str) 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if m != "plain":
             opt = GuardedOptimizer(opt, model, log_dir=None, verbose=False, sync_ranks=(m != "guard-nosync"),
-                                   ddp_origin_hook=(m == "guard"))
+                                   ddp_origin_hook=(m == "guard"))  # opt-in; the "guard" row has it on
         setups[m] = (model, opt)
     full = {m: [] for m in METHODS}
     phase = {m: [] for m in METHODS}

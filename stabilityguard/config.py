@@ -194,11 +194,13 @@ class GuardConfig:
     """Under ``torch.distributed`` (world size > 1): all-reduce the statistics so every rank takes the
     same decision (one small all-reduce per step; sharded gradients are summed as squares)."""
 
-    ddp_origin_hook: bool = True
+    ddp_origin_hook: bool = False
     """Under DDP (the model passed to the guard is a ``DistributedDataParallel`` and ``sync_ranks``):
     register a communication hook that measures each rank's gradients before the all-reduce, so NaN/Inf
     and spike events say which rank they came from (``origin_ranks``). Costs one extra read of the
-    gradients per step; DDP takes one hook only, so set ``False`` to register your own."""
+    gradients per step, and DDP takes one hook only. Opt-in: with a Python communication hook installed,
+    a process sometimes aborted at interpreter exit in our 2-process gloo tests ("terminate called
+    without an active exception"; destroy the process group and the DDP model before exiting)."""
 
     log_ranks: str = "zero"
     """Which ranks write the console, JSONL, spike-report and extra sinks: ``"zero"`` (rank 0 only) or

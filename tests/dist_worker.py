@@ -64,7 +64,7 @@ def ddp_origin(out: Path, rank: int, world: int) -> dict:
     model = _model()
     ddp_model = torch.nn.parallel.DistributedDataParallel(model)
     opt = GuardedOptimizer(torch.optim.AdamW(ddp_model.parameters(), lr=3e-3), ddp_model, verbose=False,
-                           log_dir=out / "logs", log_every=5)
+                           log_dir=out / "logs", log_every=5, ddp_origin_hook=True)
     data = MarkovData(vocab_size=32, seed=rank)
     for step in range(20):
         x, y = data.batch(8, 16)
