@@ -260,7 +260,6 @@ class GuardConfig:
         _check_number("spam_lr_reduction", self.spam_lr_reduction, low=0.0, low_inclusive=False, high=1.0)
         _check_int("spam_recovery_steps", self.spam_recovery_steps, low=1)
         _check_int("spam_warmup_steps", self.spam_warmup_steps, low=0)
-        object.__setattr__(self, "spam_warmup_steps", int(self.spam_warmup_steps))  # numpy ints -> JSON-native
         if self.spam_reset_scope not in SPAM_SCOPES:
             raise ConfigError(
                 f"spam_reset_scope must be one of {', '.join(repr(a) for a in SPAM_SCOPES)}; "

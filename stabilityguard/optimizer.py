@@ -420,9 +420,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.counters.steps = step + 1
         if self._origin is not None:
             self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
-        lr = self.param_groups[0].get("lr") if self.param_groups else None
-        self.recorder.record(step, math.nan, None, lr, None, None, "skip")
-        self._window.add(math.nan, None, math.nan, None, True)
+        self._record(step, None, math.nan, -1, "skip", refused=True)
         self._events.action(step, action="skip", reason=reason)
         self._buffers.mark()
         if (step + 1) % self.config.log_every == 0:
@@ -578,13 +576,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if pairs:
             torch._foreach_mul_([g for g, _ in pairs], [f for _, f in pairs])
 
-    def _record(self, step: int, stats: GradStats, ratio: float, index: int, action: str, refused: bool,
+    def _lr(self) -> Optional[float]:
+        """The first parameter group's LR (what records and summaries show)."""
+        return self.param_groups[0].get("lr") if self.param_groups else None
+
+    def _record(self, step: int, stats: Optional[GradStats], ratio: float, index: int, action: str, refused: bool,
                 loss_z: Optional[float] = None) -> None:
+        """One step into the flight recorder and the summary window (``stats=None``: nothing measured)."""
         layer = self._names[index] if index >= 0 else None
-        lr = self.param_groups[0].get("lr") if self.param_groups else None
-        self.recorder.record(step, stats.global_norm, stats.loss, lr, ratio if index >= 0 else None, layer, action,
-                             loss_z)
-        self._window.add(stats.global_norm, stats.loss, ratio, layer, refused)
+        norm, loss = (stats.global_norm, stats.loss) if stats is not None else (math.nan, None)
+        self.recorder.record(step, norm, loss, self._lr(), ratio if index >= 0 else None, layer, action, loss_z)
+        self._window.add(norm, loss, ratio, layer, refused)
 
     def _calibrate(self, step: int, ratios: List[float]) -> None:
         cal = self._calibrator
@@ -649,7 +651,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return action, None
 
     def _emit_summary(self, step: int, stats: Optional[GradStats]) -> None:
-        lr = self.param_groups[0].get("lr") if self.param_groups else None
+        lr = self._lr()
         post, clipped = None, None
         if self._clip_input is not None and self._clipper is not None:  # accepted and clipped per layer
             after = self._clipper.post_clip_norms(self._clip_input)  # reads the thresholds: summaries only
