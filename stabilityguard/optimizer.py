@@ -226,14 +226,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._layer_params: Dict[str, List[torch.Tensor]] = {}
         for p, layer in zip(idx.params, idx.layer_of_param.tolist()):
             self._layer_params.setdefault(idx.layer_names[layer], []).append(p)
-        self._policy = GuardPolicy(
+        self._policy = GuardPolicy.from_config(
             [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names], n_l,
-            list(range(n_l)) + idx.layer_of_param.tolist(), spike_threshold=cfg.spike_threshold,
-            ema_alpha=cfg.ema_alpha, warmup_steps=cfg.warmup_steps, level_shift_patience=cfg.level_shift_patience,
-            graded=cfg.graded_response, outlier_ratio=cfg.outlier_ratio, loss_z_threshold=cfg.loss_z_threshold,
-            loss_window=cfg.loss_window, level_shift_steps=cfg.level_shift_steps,
-            level_shift_spread=cfg.level_shift_spread,
-        )
+            list(range(n_l)) + idx.layer_of_param.tolist(), cfg)
         if old_policy is not None:
             self._policy.load_state_dict(old_policy.state_dict())
         self._events = EventFactory(self.dispatcher, self.run_id, self.rank, self._names)

@@ -219,6 +219,15 @@ class GuardPolicy:
         self.runs: List[List[float]] = [[] for _ in range(self.n_layers)]
         self._open_runs = False
 
+    @classmethod
+    def from_config(cls, names: Sequence[str], n_layers: int, group: Sequence[int], cfg: Any) -> "GuardPolicy":
+        """A policy with the settings of a :class:`~stabilityguard.GuardConfig`."""
+        return cls(names, n_layers, group, spike_threshold=cfg.spike_threshold, ema_alpha=cfg.ema_alpha,
+                   warmup_steps=cfg.warmup_steps, level_shift_patience=cfg.level_shift_patience,
+                   graded=cfg.graded_response, outlier_ratio=cfg.outlier_ratio,
+                   loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
+                   level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread)
+
     # ------------------------------------------------------------------ deciding
     def decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
                loss: Optional[float]) -> Verdict:
