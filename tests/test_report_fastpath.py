@@ -222,3 +222,10 @@ def test_long_lines_across_blocks(tmp_path, monkeypatch):
         assert_same(fast, careful)
         assert [p.line for p in fast["x"].problems] == [11, 21, 31]
         assert len(fast["x"].steps) == 28
+
+
+def test_without_pyarrow_every_line_is_read_the_careful_way(real_log, monkeypatch):
+    monkeypatch.setattr(_fast, "available", lambda: False)
+    fast, careful, went_fast = load_both(real_log, monkeypatch, 4096)
+    assert went_fast == 0
+    assert_same(fast, careful)

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
+# numpy and pyarrow are imported by ``available()``, on the first log read (not when reports are imported)
+np: Any = None
+_pa: Any = None
+_pc: Any = None
+_pj: Any = None
+_imported = False
 
 #: A line is a candidate for the fast path when it holds this (the guard's compact separators).
 TAG = b'"kind":"step_summary"'
@@ -82,7 +87,18 @@ def read_blocks(f: Any, max_line_bytes: int) -> Iterator[Tuple[int, List[bytes],
 
 
 def available() -> bool:
-    """Whether the fast path can run (pyarrow is installed)."""
+    """Whether the fast path can run (numpy and pyarrow are installed)."""
+    global np, _pa, _pc, _pj, _imported
+    if not _imported:
+        _imported = True
+        try:
+            import numpy
+            import pyarrow
+            import pyarrow.compute
+            import pyarrow.json
+        except ImportError:  # the careful path reads everything
+            return False
+        np, _pa, _pc, _pj = numpy, pyarrow, pyarrow.compute, pyarrow.json
     return _pa is not None
 
 
@@ -152,7 +168,7 @@ def _finish(n: int, run_id: str, step: Any, rank: Any, counts: Any, floats: Any,
 
 def decode_summaries(lines: Sequence[bytes], readable: Any) -> Optional[SummaryColumns]:
     """Decode and check summary lines; ``None`` unless every line reads as the careful path reads it."""
-    if _pa is None:
+    if not available():
         return None
     blob = b"\n".join(lines)
     if b"\x00" in blob:
@@ -168,13 +184,6 @@ def decode_summaries(lines: Sequence[bytes], readable: Any) -> Optional[SummaryC
 
 
 # -- with pyarrow ---------------------------------------------------------------------------------------
-
-try:  # optional: a faster decoder (several times faster than json on summary lines)
-    import pyarrow as _pa
-    import pyarrow.compute as _pc
-    import pyarrow.json as _pj
-except ImportError:  # pragma: no cover - depends on the environment
-    _pa = None
 
 _SCHEMA = None
 
