@@ -3,10 +3,11 @@
 Writes a synthetic schema-1.5 log of N step summaries (with the window aggregates) and M spikes (each
 spike with the norms and baselines of L layers and their parameters and its 64-step flight-recorder
 window, like the guard writes), then times: load_run, severity_table, layer_ranking,
-postmortem_markdown, the plots (timeline, heatmap, 8 incident close-ups) and the HTML page. Each phase is timed in wall seconds and in
-CPU seconds of the process (all threads: the loader decodes summaries in a second thread when pyarrow
-is installed), which tells how much a busy machine slowed the run. Peak memory is the process's maximum resident set
-size (it includes Python, numpy and pandas themselves: the baseline is printed too).
+postmortem_markdown, the plots (timeline, heatmap, 8 incident close-ups) and the HTML page. Each phase
+is timed in wall seconds and in CPU seconds of the process (all threads: the loader decodes summaries
+in a second thread when pyarrow is installed), which tells how much a busy machine slowed the run.
+Peak memory is the process's maximum resident set size (it includes Python, numpy and pandas
+themselves: the baseline is printed too).
 
 Usage:
   python bench/report_scale.py                       # 1,000,000 summaries, 10,000 spikes, 48 layers

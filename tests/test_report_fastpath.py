@@ -51,7 +51,7 @@ def assert_same(fast, careful):
     for rid in fast:
         a, b = fast[rid], careful[rid]
         for name in FRAMES:
-            pd.testing.assert_frame_equal(getattr(a, name), getattr(b, name), obj=f"{rid}.{name}")
+            pd.testing.assert_frame_equal(getattr(a, name), getattr(b, name), obj=f"{rid}.{name}", check_exact=True)
         assert [str(p) for p in a.problems] == [str(p) for p in b.problems]
         assert (a.start, a.end, a.segments, a.ranks) == (b.start, b.end, b.segments, b.ranks)
 
@@ -229,3 +229,21 @@ def test_without_pyarrow_every_line_is_read_the_careful_way(real_log, monkeypatc
     fast, careful, went_fast = load_both(real_log, monkeypatch, 4096)
     assert went_fast == 0
     assert_same(fast, careful)
+
+
+def test_numbers_are_read_bit_for_bit_as_json_reads_them(tmp_path, monkeypatch):
+    rng = random.Random(3)
+    with open(tmp_path / "events-f.jsonl", "w") as f:
+        for i in range(3000):
+            x = rng.choice([rng.random(), rng.uniform(-1e300, 1e300), rng.random() * 1e-310,
+                            10 ** rng.uniform(-300, 300), float(rng.getrandbits(60)), rng.getrandbits(70),
+                            -rng.getrandbits(40), 0, -0.0])
+            rec = {"schema_version": "1.5", "kind": "step_summary", "run_id": "f", "step": i, "rank": 0,
+                   "loss": x, "global_norm": rng.random() * 10, "loss_mean": x, "steps": rng.getrandbits(62)}
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    fast, careful, went_fast = load_both(tmp_path, monkeypatch, 1 << 16)
+    assert went_fast == 3000
+    assert_same(fast, careful)
+    for col in ("loss", "global_norm", "loss_mean"):
+        a, b = fast["f"].steps[col].to_numpy(), careful["f"].steps[col].to_numpy()
+        assert (a.view("int64") == b.view("int64")).all()
