@@ -263,18 +263,22 @@ def _corrupt_text(rng: random.Random, text: str) -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def real_logs(tmp_path_factory):
-    """A real guarded run on a tiny GPT (spike, NaN), plus a hand-written schema-1.5 run (windows, clips)."""
+def guarded_logs(base: Path, log_every: int = 5, steps: int = 40, spike: int = 20, nan: int = 30) -> Path:
+    """A real guarded run ``real`` on a tiny GPT (spike, NaN), plus a hand-written schema-1.5 run ``r15``."""
     from stabilityguard.testing import poison_grad, scale_grad
 
-    base = tmp_path_factory.mktemp("fuzzsrc")
-    run = Run(base, log_every=5, run_id="real")
-    run.train(40, faults={20: lambda m: scale_grad(m.head, 1000.0),
-                          30: lambda m: poison_grad(m.blocks[0].attn.qkv.weight)})
+    run = Run(base, log_every=log_every, run_id="real")
+    run.train(steps, faults={spike: lambda m: scale_grad(m.head, 1000.0),
+                             nan: lambda m: poison_grad(m.blocks[0].attn.qkv.weight)})
     run.opt.close()
     write_run(base / "sg_logs", run_id="r15")
     return base / "sg_logs"
+
+
+@pytest.fixture(scope="module")
+def real_logs(tmp_path_factory):
+    """A real guarded run on a tiny GPT (spike, NaN), plus a hand-written schema-1.5 run (windows, clips)."""
+    return guarded_logs(tmp_path_factory.mktemp("fuzzsrc"))
 
 
 def test_fuzz_no_exception_escapes_the_loader_or_the_cli(real_logs, tmp_path, capsys):

@@ -1,7 +1,11 @@
 """Load event logs (JSONL, ``spike_step{N}.json`` reports, ``refused_batches.jsonl``) into typed DataFrames.
 
-Reading is streaming and columnar: lines are parsed one at a time and numeric columns are kept in
-compact arrays, so a log of a million step summaries loads in seconds without holding a dict per line.
+Reading is streaming and columnar: the file is read in blocks and numeric columns are kept in compact
+arrays, so a log of a million step summaries loads in seconds without holding a dict per line. With
+pyarrow installed, the well-formed ``step_summary`` lines of a block are decoded together by pyarrow (in
+a second thread, beside the reading of the block's other records) and checked column by column
+(``_fast.py``); a block with anything the careful per-line path would report is read line by line, so
+what is read, and every problem with its line number, is the same either way.
 
 Bad input never crashes the loader. Every line that cannot be used is reported as a
 :class:`Problem` (file, line, what was wrong) in ``RunLog.problems``:
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -34,27 +39,28 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 from .._optional import require
 from ..errors import StabilityGuardError
 from ..events import SCHEMA_VERSION, check_schema_version
+from . import _fast
+from ._fast import SUMMARY_FLOATS as _SUMMARY_FLOATS
+from ._fast import SUMMARY_INTS as _SUMMARY_INTS
+from ._fast import SUMMARY_OPTIONAL as _SUMMARY_OPTIONAL
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, Path]
 
-_SUMMARY_FLOATS = ("time", "global_norm", "max_ratio", "loss", "lr", "threshold")
-_SUMMARY_INTS = ("steps", "spikes", "nonfinite", "skipped", "rollbacks")
-#: Optional ``step_summary`` fields (schema 1.3/1.5): a column exists when some record knew a value,
-#: ``NaN`` (unknown) in the rows without it.
-_SUMMARY_OPTIONAL = ("window_steps", "global_norm_mean", "global_norm_max", "loss_mean", "loss_max",
-                     "update_rms_mean", "loss_trend", "clipped", "would_refuse", "refused_max_ratio",
-                     "post_clip_global_norm", "clipped_layers")
+# Optional ``step_summary`` fields (_SUMMARY_OPTIONAL, schema 1.3/1.5): a column exists when some record
+# knew a value, ``NaN`` (unknown) in the rows without it.
 _SUMMARY_KNOWN = frozenset(("schema_version", "kind", "run_id", "step", "rank", "max_ratio_layer")
                            + _SUMMARY_FLOATS + _SUMMARY_INTS)
-_N_SUMMARY_KNOWN = len(_SUMMARY_KNOWN)
 _NAN_ROW = array("d", [float("nan")] * len(_SUMMARY_OPTIONAL))
 _WINDOW_FLOATS = ("global_norm", "loss", "lr", "max_ratio", "update_rms", "loss_z")
 #: Values of the ``action`` field of a flight-recorder window entry (schema 1.5).
 WINDOW_ACTIONS = ("accepted", "clip", "skip", "rollback", "raise", "monitor")
 _ACTION_CODES = {a: i for i, a in enumerate(WINDOW_ACTIONS)}
 _INT_ONLY = frozenset((int,))
+_FLOAT_OR_NONE = frozenset((float, type(None)))
+_STR_ONLY = frozenset((str,))
+_STR_OR_NONE = frozenset((str, type(None)))
 _KNOWN_KINDS = frozenset({"run_start", "step_summary", "spike", "nonfinite", "action", "baseline_reset",
                           "calibration", "sharpness", "eos_warning", "run_end", "flight_record"})
 #: Lines (and spike reports) longer than this are reported and skipped.
@@ -225,6 +231,9 @@ class _Checker:
         if not isinstance(v, dict):
             self._complain(key, v, "an object")
             return {}
+        types = set(map(type, v.values()))
+        if types <= (_FLOAT_OR_NONE if values == "num" else _STR_ONLY):
+            return dict(v)  # what the loop below gives for these types
         out: Dict[str, Any] = {}
         dropped = 0
         for k, x in v.items():
@@ -313,6 +322,16 @@ class _RunBuilder:
         if code is None:
             code = self.layer_names[name] = len(self.layer_names)
         return code
+
+    def _codes(self, names: List[Any]) -> List[int]:
+        """Codes of names (-1 for what is not a string), new names coded in order, as ``_code`` one by one."""
+        known = self.layer_names
+        if not set(map(type, names)) <= _STR_OR_NONE:
+            return [self._code(v) if type(v) is str else -1 for v in names]
+        for v in dict.fromkeys(names):
+            if v is not None and v not in known:
+                known[v] = len(known)
+        return [known.get(v, -1) for v in names]
 
     def _reset_summaries(self) -> None:
         for a in [self.frows, self.irows, self.layer_codes] + ([self.orows] if self.orows is not None else []):
@@ -467,9 +486,8 @@ class _RunBuilder:
                 ok = False
         orow = None
         refused_layer = None
-        # optional fields (schema 1.3/1.5) can only be there if the record has more keys than the known
-        # ones, or if a known one is missing (read as None)
-        if ok and (len(rec) != _N_SUMMARY_KNOWN or layer is None or None in floats):
+        # optional fields (schema 1.3/1.5) can only be there if the record has a key besides the known ones
+        if ok and not rec.keys() <= _SUMMARY_KNOWN:
             ovals = list(map(get, _SUMMARY_OPTIONAL))
             if ovals.count(None) != len(ovals):
                 try:
@@ -497,13 +515,7 @@ class _RunBuilder:
             orow = array("d", [opt.get(k, _NAN) for k in _SUMMARY_OPTIONAL]) if opt else None
             refused_layer = chk.text(rec, "refused_max_ratio_layer") if "refused_max_ratio_layer" in rec else None
             self._flush(chk)
-        self.ranks.add(rank)
-        # Per-rank logs of one run hold the same decisions: summaries are taken from the lowest rank.
-        if self.summary_rank is None or rank < self.summary_rank:
-            if self.summary_rank is not None:
-                self._reset_summaries()
-            self.summary_rank = rank
-        elif rank != self.summary_rank:
+        if not self._keeps_summaries_of(rank):
             return
         n = len(self.layer_codes)
         # Everything is validated: append to every column (never half a row).
@@ -520,6 +532,68 @@ class _RunBuilder:
             self.refused_codes = array("i", [-1]) * n if n else array("i")
         if self.refused_codes is not None:
             self.refused_codes.append(-1 if refused_layer is None else self._code(refused_layer))
+
+    def _keeps_summaries_of(self, rank: int) -> bool:
+        """Whether summaries of ``rank`` are kept (resetting those of a higher rank kept so far)."""
+        self.ranks.add(rank)
+        # Per-rank logs of one run hold the same decisions: summaries are taken from the lowest rank.
+        if self.summary_rank is None or rank < self.summary_rank:
+            if self.summary_rank is not None:
+                self._reset_summaries()
+            self.summary_rank = rank
+        return rank == self.summary_rank
+
+    def add_summaries(self, c: "_fast.SummaryColumns", a: int, b: int) -> None:
+        """Append rows ``a:b`` of a block decoded by the fast path: what ``_add_summary`` does for each."""
+        import numpy as np
+
+        lut = self._lut(c)
+        for s, e, rank in c.rank_runs(a, b):
+            if not self._keeps_summaries_of(rank):
+                continue
+            n, m = len(self.layer_codes), e - s
+            if not c.coded:  # layer names not coded yet: code them in the order rows name them
+                seq = c.layer[s:e] if c.refused is None else np.column_stack((c.layer[s:e], c.refused[s:e])).ravel()
+                uniq, first = np.unique(seq, return_index=True)
+                for k in uniq[np.argsort(first, kind="stable")].tolist():
+                    if k >= 0 and lut[k] < 0:
+                        lut[k] = self._code(c.names[k])
+                c.coded = bool((lut[:-1] >= 0).all())
+            ints = c.ints[s:e]
+            ints[:, 2] = self.segment_of_rank.get(rank, 0)
+            self.irows.frombytes(memoryview(ints).cast("B"))
+            self.frows.frombytes(memoryview(c.floats[s:e]).cast("B"))
+            self.layer_codes.frombytes(memoryview(lut[c.layer[s:e]]).cast("B"))
+            opt = c.optional
+            if opt is not None and self.orows is None and not np.isnan(opt[s:e]).all():
+                self.orows = _NAN_ROW * n if n else array("d")
+            if self.orows is not None:
+                if opt is None:
+                    self.orows.extend(_NAN_ROW * m)
+                else:
+                    self.orows.frombytes(memoryview(opt[s:e]).cast("B"))
+            ref = c.refused
+            if ref is not None and self.refused_codes is None and (ref[s:e] >= 0).any():
+                self.refused_codes = array("i", [-1]) * n if n else array("i")
+            if self.refused_codes is not None:
+                if ref is None:
+                    self.refused_codes.extend(array("i", [-1]) * m)
+                else:
+                    self.refused_codes.frombytes(memoryview(lut[ref[s:e]]).cast("B"))
+
+    def _lut(self, c: "_fast.SummaryColumns") -> Any:
+        """Block name index -> this run's layer code (-1: not coded yet; the last entry, for -1, is -1)."""
+        import numpy as np
+
+        lut = c.lut
+        if lut is None:
+            lut = c.lut = np.full(len(c.names) + 1, -1, np.int32)
+        if not c.coded:
+            get = self.layer_names.get
+            for k in np.flatnonzero(lut[:-1] < 0).tolist():
+                lut[k] = get(c.names[k], -1)
+            c.coded = bool((lut[:-1] >= 0).all())
+        return lut
 
     def _add_window(self, window: Any, incident_step: int, seg: int, phase: int, chk: _Checker) -> None:
         if window is None:
@@ -549,8 +623,13 @@ class _RunBuilder:
         cols = {}
         for k in _WINDOW_FLOATS:
             vals = [e.get(k) for e in entries]
+            types = set(map(type, vals))
             try:
-                if bool in set(map(type, vals)):
+                if types <= _FLOAT_OR_NONE:  # the common case: floats and nulls (or missing)
+                    col = array("d", [_NAN if v is None else v for v in vals] if None in vals else vals)
+                    cols[k] = col
+                    continue
+                if bool in types:
                     raise TypeError
                 col = array("d", vals)
             except (TypeError, OverflowError):
@@ -571,11 +650,12 @@ class _RunBuilder:
             w[k].extend(cols[k])
         self.win_seg.extend(array("i", [seg]) * n)
         self.win_phase.extend(array("b", [phase]) * n)
-        code = self._code
-        self.win_layer.extend(array("i", [code(v) if type(v) is str else -1
-                                          for v in (e.get("max_ratio_layer") for e in entries)]))
-        self.win_action.extend(array("b", [_ACTION_CODES.get(v, -1) if type(v) is str else -1
-                                           for v in (e.get("action") for e in entries)]))
+        self.win_layer.extend(array("i", self._codes([e.get("max_ratio_layer") for e in entries])))
+        actions = [e.get("action") for e in entries]
+        if set(map(type, actions)) <= _STR_OR_NONE:
+            self.win_action.extend(array("b", [_ACTION_CODES.get(v, -1) for v in actions]))
+        else:
+            self.win_action.extend(array("b", [_ACTION_CODES.get(v, -1) if type(v) is str else -1 for v in actions]))
         if bad:
             self.bad_window(chk, bad)
 
@@ -639,16 +719,15 @@ class _RunBuilder:
             for layer in nan_layers:
                 self.layer_rows.append((step, kind, layer, _NAN, action, layer == trigger, values.get(layer)))
         layer_set = self._layer_set()
-        for name, norm in norms.items():
-            if layer_set:
-                if name not in layer_set:
-                    continue
-            elif "." in name and name.rsplit(".", 1)[0] in norms:
-                continue  # no run_start: a name under another present name is a parameter
-            base = bases.get(name)
-            self.ratio_step.append(step)
-            self.ratio_layer.append(self._code(name))
-            self.ratio_value.append(_INF if norm is None else (norm / base if base else _NAN))
+        if layer_set:
+            names = [name for name in norms if name in layer_set]
+        else:  # no run_start: a name under another present name is a parameter
+            names = [name for name in norms if not ("." in name and name.rsplit(".", 1)[0] in norms)]
+        get = bases.get
+        self.ratio_step.extend(array("q", [step]) * len(names))
+        self.ratio_layer.extend(array("i", self._codes(names)))
+        self.ratio_value.extend(array("d", [_INF if norms[name] is None else (norms[name] / get(name) if get(name)
+                                                                              else _NAN) for name in names]))
         self._add_window(rec.get("window"), step, seg, 0, chk)
         self._flush(chk)
 
@@ -828,43 +907,114 @@ def _version_ok(rec: Dict[str, Any], path: Path, lineno: int, problems: List[Pro
     return True
 
 
+def _parse_line(path: Path, lineno: int, raw: bytes, complete: bool, refused: bool,
+                problems: List[Problem]) -> Optional[Dict[str, Any]]:
+    """One line (without its newline) as a record, or ``None`` (reported unless blank)."""
+    line = raw.strip()
+    if not line:
+        return None
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        msg = "truncated last line skipped (writer killed?)" if not complete else f"corrupt line skipped: {exc}"
+        problems.append(Problem(str(path), lineno, msg))
+        return None
+    if not isinstance(rec, dict):
+        problems.append(Problem(str(path), lineno, f"not an event record (JSON {_type_name(rec)}, "
+                                                   "expected an object): skipped"))
+        return None
+    if refused:
+        rec = dict(rec, kind="refused_batch")
+    elif "kind" not in rec:
+        problems.append(Problem(str(path), lineno, "not an event record (no 'kind'): skipped"))
+        return None
+    if not _version_ok(rec, path, lineno, problems):
+        return None
+    return rec
+
+
+def _long_line(path: Path, problems: List[Problem], max_line_bytes: int) -> Callable[[int], None]:
+    def report(lineno: int) -> None:
+        problems.append(Problem(str(path), lineno, f"line longer than {max_line_bytes} bytes skipped"))
+    return report
+
+
 def _iter_lines(path: Path, problems: List[Problem], max_line_bytes: int) -> Iterator[Tuple[int, Dict[str, Any]]]:
     refused = path.name.startswith("refused_batches")
+    long_line = _long_line(path, problems, max_line_bytes)
     with open(path, "rb") as f:
-        lineno = 0
-        readline = f.readline
-        while True:
-            raw = readline(max_line_bytes + 1)
-            if not raw:
-                break
-            lineno += 1
-            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):  # skip the rest of the huge line
-                    raw = readline(1 << 20)
-                problems.append(Problem(str(path), lineno, f"line longer than {max_line_bytes} bytes skipped"))
-                continue
-            complete = raw.endswith(b"\n")
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except (ValueError, RecursionError) as exc:
-                msg = "truncated last line skipped (writer killed?)" if not complete else f"corrupt line skipped: {exc}"
-                problems.append(Problem(str(path), lineno, msg))
-                continue
-            if not isinstance(rec, dict):
-                problems.append(Problem(str(path), lineno, f"not an event record (JSON {_type_name(rec)}, "
-                                                           "expected an object): skipped"))
-                continue
-            if refused:
-                rec = dict(rec, kind="refused_batch")
-            elif "kind" not in rec:
-                problems.append(Problem(str(path), lineno, "not an event record (no 'kind'): skipped"))
-                continue
-            if not _version_ok(rec, path, lineno, problems):
-                continue
-            yield lineno, rec
+        for first, lines, complete in _fast.read_blocks(f, max_line_bytes):
+            last = len(lines) - 1
+            for i, raw in enumerate(lines):
+                if raw is _fast.LONG_LINE or len(raw) > max_line_bytes:
+                    long_line(first + i)
+                    continue
+                rec = _parse_line(path, first + i, raw, complete or i < last, refused, problems)
+                if rec is not None:
+                    yield first + i, rec
+
+
+_ORDERED_KINDS = frozenset(("step_summary", "run_start"))
+#: Decode well-formed ``step_summary`` lines a block at a time (``_fast``); False: every line by itself.
+FAST_SUMMARIES = True
+
+
+def _read_jsonl(path: Path, problems: List[Problem], max_line_bytes: int,
+                take: Callable[[int, Dict[str, Any]], None],
+                add_summaries: Callable[["_fast.SummaryColumns", int, int], None], where: list) -> None:
+    """Read a JSONL log: each record to ``take``, blocks of well-formed summaries to ``add_summaries``.
+
+    Everything happens in line order: the summaries of a block decoded by the fast path before a line
+    read the careful way are added before that line is taken.
+    """
+    import numpy as np
+
+    refused = path.name.startswith("refused_batches")
+    fast = FAST_SUMMARIES and not refused and _fast.available()
+    long_line = _long_line(path, problems, max_line_bytes)
+    tag = _fast.TAG
+
+    def prepare(block: Tuple[int, List[bytes], bool]) -> tuple:
+        first, lines, complete = block
+        n = len(lines)
+        cand = [i for i, raw in enumerate(lines) if tag in raw and len(raw) <= max_line_bytes]
+        if cand and not complete and cand[-1] == n - 1:
+            cand.pop()
+        cols = _fast.decode_summaries([lines[i] for i in cand], _READABLE_VERSIONS) if cand else None
+        if cols is None:
+            return first, lines, complete, [], None, range(n)
+        mask = np.ones(n, bool)
+        mask[cand] = False
+        return first, lines, complete, cand, cols, np.flatnonzero(mask).tolist()
+
+    with open(path, "rb") as f:
+        blocks = _fast.read_blocks(f, max_line_bytes)
+        for first, lines, complete, cand, cols, others in (_fast.prefetch(blocks, prepare) if fast else (
+                (first, lines, complete, [], None, range(len(lines))) for first, lines, complete in blocks)):
+            n = len(lines)
+            done = 0  # fast rows added
+            for p in others:
+                raw = lines[p]
+                lineno = where[1] = first + p
+                if raw is _fast.LONG_LINE or len(raw) > max_line_bytes:
+                    long_line(lineno)
+                    continue
+                rec = _parse_line(path, lineno, raw, complete or p < n - 1, refused, problems)
+                if rec is None:
+                    continue
+                # The fast rows before this line go first when this record could change what they become:
+                # a summary or run_start of any run, or any record while some of their layer names have no
+                # code yet (codes are given in the order names are first seen).
+                kind = rec.get("kind")
+                if cand and (not cols.coded or (type(kind) is str and kind in _ORDERED_KINDS)):
+                    k = bisect_left(cand, p)
+                    if k > done:
+                        add_summaries(cols, done, k)
+                        done = k
+                take(lineno, rec)
+            if cols is not None and done < cols.n:
+                add_summaries(cols, done, cols.n)
+            where[1] = first + n - 1
 
 
 def _iter_report(path: Path, problems: List[Problem], max_line_bytes: int) -> Iterator[Tuple[int, Dict[str, Any]]]:
@@ -960,28 +1110,42 @@ def load_runs(*paths: PathLike, max_line_bytes: int = MAX_LINE_BYTES) -> Dict[st
         def report(msg: str, _where: list = where) -> None:
             problems.append(Problem(_where[0], _where[1], msg))
 
+        def builder(rid: str, _report: Callable[[str], None] = report) -> _RunBuilder:
+            b = builders.get(rid)
+            if b is None:
+                b = builders[rid] = _RunBuilder(rid, _report)
+            b.report = _report
+            return b
+
         unknown: Dict[str, List[int]] = {}
-        it = _iter_report if path.suffix == ".json" else _iter_lines
+
+        def take(lineno: int, rec: Dict[str, Any], _where: list = where, _unknown: dict = unknown,
+                 _report: Callable[[str], None] = report, _builder: Callable[[str], _RunBuilder] = builder) -> None:
+            _where[1] = lineno
+            kind = rec.get("kind")
+            if kind != "refused_batch" and not (type(kind) is str and kind in _KNOWN_KINDS):
+                entry = _unknown.setdefault(_short(kind), [0, lineno])
+                entry[0] += 1
+                return
+            rid = rec.get("run_id", "unknown")
+            if type(rid) is not str:
+                _report(f"'run_id' is {_type_name(rid)} {_short(rid)}, expected a string: record skipped")
+                return
+            try:
+                _builder(rid).add(rec)
+            except _Corrupt as exc:
+                _report(f"{kind} record skipped: {exc}" if "skipped" not in str(exc) else f"{kind}: {exc}")
+
+        def add_summaries(cols: "_fast.SummaryColumns", a: int, b: int,
+                          _builder: Callable[[str], _RunBuilder] = builder) -> None:
+            _builder(cols.run_id).add_summaries(cols, a, b)
+
         try:
-            for lineno, rec in it(path, problems, max_line_bytes):
-                where[1] = lineno
-                kind = rec.get("kind")
-                if kind != "refused_batch" and not (type(kind) is str and kind in _KNOWN_KINDS):
-                    entry = unknown.setdefault(_short(kind), [0, lineno])
-                    entry[0] += 1
-                    continue
-                rid = rec.get("run_id", "unknown")
-                if type(rid) is not str:
-                    report(f"'run_id' is {_type_name(rid)} {_short(rid)}, expected a string: record skipped")
-                    continue
-                b = builders.get(rid)
-                if b is None:
-                    b = builders[rid] = _RunBuilder(rid, report)
-                b.report = report
-                try:
-                    b.add(rec)
-                except _Corrupt as exc:
-                    report(f"{kind} record skipped: {exc}" if "skipped" not in str(exc) else f"{kind}: {exc}")
+            if path.suffix == ".json":
+                for lineno, rec in _iter_report(path, problems, max_line_bytes):
+                    take(lineno, rec)
+            else:
+                _read_jsonl(path, problems, max_line_bytes, take, add_summaries, where)
         except OSError as exc:
             problems.append(Problem(str(path), where[1], f"read error, rest of the file skipped: {exc}"))
         for kind, (count, first) in unknown.items():
