@@ -33,7 +33,8 @@ from .features.spam import MomentumReset
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
 from .recorder import FlightRecorder, SummaryWindow
 from .sinks import ConsoleSink, JsonlSink, Sink, SinkDispatcher, SpikeReportSink
-from .stats import GradStats, GradStatsCollector, OriginProbe, ParamIndex, nonfinite_layers, origin_ranks
+from .stats import (GradStats, GradStatsCollector, ParamIndex, nonfinite_layers, origin_ranks, register_origin_probe,
+                    world_size)
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +50,10 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _shared_run_id() -> str:
     """A new run id; under torch.distributed every rank gets rank 0's (a collective at construction)."""
     run_id = new_run_id()
-    if _world() > 1:
+    if world_size() > 1:
         box = [run_id]
         torch.distributed.broadcast_object_list(box, src=0)
         run_id = box[0]
@@ -166,7 +162,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if writes and config.verbose:
             built_in.append(ConsoleSink(reports=reports))
         self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
-        self._origin = self._register_origin_probe(model)
+        self._origin = register_origin_probe(model, config.ddp_origin_hook and config.sync_ranks)
         self._build_index()
         if config.track_update_size and any(hasattr(p, "to_local") for p in self._index.params):
             raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
@@ -180,10 +176,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         self._eos: Optional[EdgeOfStabilityMonitor] = None
         if config.enable_edge_of_stability:
-            if _world() > 1:
+            if world_size() > 1:
                 raise ConfigError(
                     "enable_edge_of_stability is single-process for now (its extra passes would run on each "
-                    f"rank's shard without the collectives); got world size {_world()}"
+                    f"rank's shard without the collectives); got world size {world_size()}"
                 )
             self._eos = EdgeOfStabilityMonitor(
                 base_opt, self._index.params, model, interval=config.eos_check_interval,
@@ -219,13 +215,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         idx = ParamIndex.build(self.model, self.param_groups)
         n_l = idx.n_layers
         self._index = idx
-        self._numel = sum(p.numel() for p in idx.params)
-        self._update_of = -1  # the step whose update size the collector carries
         self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks, origin=self._origin)
         self._names = list(idx.layer_names) + list(idx.param_names)
-        self._layer_params: Dict[str, List[torch.Tensor]] = {}
-        for p, layer in zip(idx.params, idx.layer_of_param.tolist()):
-            self._layer_params.setdefault(idx.layer_names[layer], []).append(p)
         self._policy = GuardPolicy.from_config(
             [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names], n_l,
             list(range(n_l)) + idx.layer_of_param.tolist(), cfg)
@@ -259,22 +250,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
             else:
                 self._rollback.track(named)
             self._rollback.snapshot(self.counters.steps)  # a clean state that covers every parameter
-
-    def _register_origin_probe(self, model: Optional[torch.nn.Module]) -> Optional[OriginProbe]:
-        """Under DDP (world > 1, ``sync_ranks``): a communication hook that tells which rank's local
-        gradients were non-finite or spiking before the all-reduce (``origin_ranks`` in the events)."""
-        cfg = self.config
-        if not (cfg.ddp_origin_hook and cfg.sync_ranks and _world() > 1
-                and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
-            return None
-        probe = OriginProbe()
-        try:
-            model.register_comm_hook(None, probe.hook)
-        except RuntimeError as exc:  # DDP takes one hook: the user's own is already there
-            logger.warning("stabilityguard: cannot register the DDP origin hook (%s); events will not say which "
-                           "rank an incident came from", exc)
-            return None
-        return probe
 
     @property
     def _detector(self) -> Any:
@@ -439,8 +414,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             stats = self._collector.collect(loss)
         self.last_stats = stats
         if stats.ridden is not None:  # the previous accepted step's update size
-            rms = math.sqrt(max(stats.ridden, 0.0) / max(self._numel, 1))
-            self.recorder.set_update_rms(self._update_of, rms)
+            rms = math.sqrt(max(stats.ridden, 0.0) / max(self._index.numel, 1))
+            self.recorder.set_update_rms(self._collector.update_step, rms)
             self._window.add_update(rms)
         if self._eos is not None:
             self._observe_eos(step, stats, closure)
@@ -543,19 +518,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 layer_norms = [v * coef for v in layer_norms]
         if self._clipper is not None and self._clipper.apply(layer_norms):
             self._clip_input = layer_norms
-        before = None
-        if self.config.track_update_size:
-            with torch.no_grad():
-                before = torch._foreach_mul(self._index.params, 1.0)  # a copy of the parameters
-        if self._spam is not None:
-            self._spam.step()  # the LR factor is applied around the wrapped step only
+        # SPAM applies its LR factor around the wrapped step only.
+        update = self._spam.step if self._spam is not None else self.base_optimizer.step
+        if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
+            self._collector.measure_update(update, step)
         else:
-            self.base_optimizer.step()
-        if before is not None:  # RMS of the parameter change: on the device, read in the next transfer
-            with torch.no_grad():
-                torch._foreach_sub_(before, self._index.params)
-                self._collector.rider = torch.stack(torch._foreach_norm(before)).square().sum()
-            self._update_of = step
+            update()
         self.counters.accepted += 1
         if self._rollback is not None:
             self._rollback.after_accepted_step(step + 1)
@@ -601,7 +569,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         reset, lr_factor = None, None
         if self._spam is not None and action not in ("raise", "monitor"):
             layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
-            reset = self._spam.on_refused([p for l in layers for p in self._layer_params.get(l, ())])
+            reset = self._spam.on_refused([p for l in layers for p in self._index.layer_params.get(l, ())])
             lr_factor = self._spam.factor
         fields.setdefault("threshold", self.config.spike_threshold)
         decision = verdict.decision if verdict is not None else None
@@ -699,7 +667,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             out["rollback"] = self._rollback.state_dict(tensors=tensors)
         rider = self._collector.rider  # the last accepted step's update size, not read yet
         if rider is not None:
-            out["pending_update"] = {"step": self._update_of, "sq": float(rider)}  # a sync, at checkpoints only
+            out["pending_update"] = {"step": self._collector.update_step, "sq": float(rider)}  # a sync, at checkpoints only
         return out
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
@@ -730,7 +698,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         pending = state.get("pending_update")
         if pending is not None and self.config.track_update_size:
             self._collector.rider = torch.tensor(float(pending["sq"]))
-            self._update_of = int(pending["step"])
+            self._collector.update_step = int(pending["step"])
         self._buffers.mark()  # the buffers as loaded are the state a refused step returns to
 
     def state_dict(self) -> Dict[str, Any]:
