@@ -26,10 +26,7 @@ from .config import GuardConfig
 from .emit import EventFactory, GuardCounters, finish_run
 from .errors import ConfigError, GradientSpikeError
 from .events import json_float
-from .features.calibration import AutoCalibrator
-from .features.edge_of_stability import EdgeOfStabilityMonitor
-from .features.helene import LayerClipper
-from .features.spam import MomentumReset
+from .features import Features
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
 from .recorder import FlightRecorder, SummaryWindow
 from .sinks import ConsoleSink, JsonlSink, Sink, SinkDispatcher, SpikeReportSink
@@ -148,7 +145,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
         self._policy: Optional[GuardPolicy] = None
-        self._calibrator: Optional[AutoCalibrator] = None
+        self._features = Features(config, base_opt)
         self._rollback: Optional[RollbackManager] = None
         self.recorder = FlightRecorder(config.flight_recorder_steps, after=min(32, config.flight_recorder_steps))
         self._window = SummaryWindow()
@@ -167,34 +164,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if config.track_update_size and any(hasattr(p, "to_local") for p in self._index.params):
             raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
                               "got track_update_size=True")
-
-        self._spam: Optional[MomentumReset] = None
-        if config.enable_spam:
-            self._spam = MomentumReset(base_opt, lr_reduction=config.spam_lr_reduction,
-                                       recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope,
-                                       warmup_steps=config.spam_warmup_steps)
-
-        self._eos: Optional[EdgeOfStabilityMonitor] = None
-        if config.enable_edge_of_stability:
-            if world_size() > 1:
-                raise ConfigError(
-                    "enable_edge_of_stability is single-process for now (its extra passes would run on each "
-                    f"rank's shard without the collectives); got world size {world_size()}"
-                )
-            self._eos = EdgeOfStabilityMonitor(
-                base_opt, self._index.params, model, interval=config.eos_check_interval,
-                power_iterations=config.eos_power_iterations, method=config.eos_method, hvp=config.eos_hvp,
-                probe=eos_probe, warning_ratio=config.eos_warning_ratio, adam_warmup=config.warmup_steps,
-            )
-        elif eos_probe is not None:
-            raise ConfigError("eos_probe is only used with enable_edge_of_stability=True; got enable_edge_of_stability=False")
-
+        self._features.start(self._index.params, model, eos_probe, world_size())
         idx = self._index
-        recorded = config.to_dict() | {"run_id": self.run_id}
-        if self._eos is not None:  # the estimator "auto" chose (None: decided at the first step)
-            recorded |= self._eos.describe()
         self._events.run_start(
-            config=recorded, optimizer=type(base_opt).__name__,
+            config=config.to_dict() | {"run_id": self.run_id} | self._features.describe(), optimizer=type(base_opt).__name__,
             n_params=idx.n_params, n_layers=idx.n_layers, layer_names=list(idx.layer_names),
             torch_version=torch.__version__, version=__version__,
         )
@@ -223,19 +196,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if old_policy is not None:
             self._policy.load_state_dict(old_policy.state_dict())
         self._events = EventFactory(self.dispatcher, self.run_id, self.rank, self._names)
-        self._clipper: Optional[LayerClipper] = None
-        if cfg.enable_helene:
-            self._clipper = LayerClipper(self.base_optimizer, idx.params, idx.layer_of_param.tolist(), n_l,
-                                         base_clip=cfg.helene_base_clip, refresh_steps=cfg.helene_refresh_steps)
-        if cfg.enable_auto_calibration:
-            cal = self._calibrator
-            if cal is None:
-                cal = self._calibrator = AutoCalibrator(n_l, warmup=cfg.auto_calibration_warmup_steps,
-                                                        max_threshold=cfg.spike_threshold)
-            else:
-                cal.remap(old_names[: len(cal.samples)], idx.layer_names)
-            self._detector.limits = cal.thresholds
-            self._detector.suspended = not cal.calibrated  # until the thresholds are learned: NaN/Inf only
+        self._features.reindex(idx, old_names, self._detector)
         named = [(f"param:{n}", p) for n, p in zip(idx.param_names, idx.params)]
         named += [(f"buffer:{n}", b) for n, b in owned_buffers(self.model, idx.params)]
         groups: Dict[str, List[torch.Tensor]] = {}
@@ -417,8 +378,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             rms = math.sqrt(max(stats.ridden, 0.0) / max(self._index.numel, 1))
             self.recorder.set_update_rms(self._collector.update_step, rms)
             self._window.add_update(rms)
-        if self._eos is not None:
-            self._observe_eos(step, stats, closure)
+        if self._features.eos is not None:
+            self._features.observe_eos(step, stats.finite, closure, self._events)
         error: Optional[GradientSpikeError] = None
         try:
             if stats.finite:
@@ -437,18 +398,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         return loss
-
-    def _observe_eos(self, step: int, stats: GradStats, closure: Optional[Callable[[], Any]]) -> None:
-        assert self._eos is not None
-        try:
-            for est in self._eos.observe(step, stats.finite, closure):
-                self._events.sharpness(step, est, self._eos.family, self._eos.warning_ratio)
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - telemetry must not stop training
-            logger.warning("stabilityguard: edge-of-stability check failed at step %d (%s: %s); the telemetry "
-                           "is off for the rest of the run", step, type(exc).__name__, exc)
-            self._eos = None
 
     def _on_finite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
         pol = self._policy
@@ -493,10 +442,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict], record: str = "accepted") -> None:
         """Take the step: scale outliers back, calibration, optional clipping, the wrapped step, snapshots."""
         decision = verdict.decision if verdict is not None else None
-        if decision is not None and self._calibrator is not None:
-            self._calibrate(step, decision.ratios)
-        if self._eos is not None:
-            self._eos.before_update(step)  # the secant holds the raw gradients and parameters, when due
+        features = self._features
+        features.before_update(step, decision.ratios if decision is not None else None, self._index.n_layers,
+                               self._detector, self._events)
         layer_norms = stats.layer_norms
         # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
         # predate a framework's own clipping, so they are not scaled again (see measure()).
@@ -516,10 +464,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in self._index.params if p.grad is not None], coef)
                 layer_norms = [v * coef for v in layer_norms]
-        if self._clipper is not None and self._clipper.apply(layer_norms):
+        if features.clipper is not None and features.clipper.apply(layer_norms):
             self._clip_input = layer_norms
         # SPAM applies its LR factor around the wrapped step only.
-        update = self._spam.step if self._spam is not None else self.base_optimizer.step
+        update = features.spam.step if features.spam is not None else self.base_optimizer.step
         if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
             self._collector.measure_update(update, step)
         else:
@@ -551,26 +499,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.recorder.record(step, norm, loss, self._lr(), ratio if index >= 0 else None, layer, action, loss_z)
         self._window.add(norm, loss, ratio, layer, refused)
 
-    def _calibrate(self, step: int, ratios: List[float]) -> None:
-        cal = self._calibrator
-        assert cal is not None
-        done = cal.observe(ratios[: self._index.n_layers])
-        if cal.calibrated:
-            self._detector.limits = cal.thresholds
-        if done:
-            self._detector.suspended = False
-            self._events.calibration(step, cal.thresholds or [], warmup_steps=cal.warmup, z=cal.z,
-                                     max_threshold=cal.max_threshold)
-
     def _incident(self, nonfinite: bool, step: int, stats: GradStats, verdict: Optional[Verdict],
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:
         """Act on an unsafe step, emit its record and the action record; the error to raise, if any."""
         action, rollback_to = self._apply_action()
-        reset, lr_factor = None, None
-        if self._spam is not None and action not in ("raise", "monitor"):
+        reset, lr_factor, spam = None, None, self._features.spam
+        if spam is not None and action not in ("raise", "monitor"):
             layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
-            reset = self._spam.on_refused([p for l in layers for p in self._index.layer_params.get(l, ())])
-            lr_factor = self._spam.factor
+            reset = spam.on_refused([p for l in layers for p in self._index.layer_params.get(l, ())])
+            lr_factor = spam.factor
         fields.setdefault("threshold", self.config.spike_threshold)
         decision = verdict.decision if verdict is not None else None
         ratio, index = (decision.max_ratio, decision.max_index) if decision is not None else (math.nan, -1)
@@ -615,12 +552,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _emit_summary(self, step: int, stats: Optional[GradStats]) -> None:
         lr = self._lr()
-        post, clipped = None, None
-        if self._clip_input is not None and self._clipper is not None:  # accepted and clipped per layer
-            after = self._clipper.post_clip_norms(self._clip_input)  # reads the thresholds: summaries only
-            if after is not None:
-                post = math.sqrt(sum(v * v for v in after))
-                clipped = sum(1 for a, b in zip(after, self._clip_input) if a < b)
+        post, clipped = self._features.post_clip(self._clip_input)  # reads the thresholds: summaries only
         window = self._window.close()
         self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm) if stats else None,
                              loss=json_float(stats.loss) if stats else None, lr=json_float(lr),
@@ -659,10 +591,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             "recorder": self.recorder.state_dict(),
             "summary_window": self._window.state_dict(),
         }
-        for key, part in (("spam", self._spam), ("calibration", self._calibrator), ("edge_of_stability", self._eos),
-                          ("helene", self._clipper)):
-            if part is not None:
-                out[key] = part.state_dict()
+        out.update(self._features.state_dict())
         if self._rollback is not None:
             out["rollback"] = self._rollback.state_dict(tensors=tensors)
         rider = self._collector.rider  # the last accepted step's update size, not read yet
@@ -686,13 +615,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.recorder.load_state_dict(state["recorder"])
         if "summary_window" in state:
             self._window.load_state_dict(state["summary_window"])
-        for key, part in (("spam", self._spam), ("calibration", self._calibrator), ("edge_of_stability", self._eos),
-                          ("helene", self._clipper)):
-            if part is not None and key in state:
-                part.load_state_dict(state[key])
-        if self._calibrator is not None and self._calibrator.calibrated:
-            self._detector.limits = self._calibrator.thresholds
-            self._detector.suspended = False
+        self._features.load_state_dict(state, self._detector)
         if self._rollback is not None:
             self._rollback.load_state_dict(state.get("rollback", {}), self.counters.steps)
         pending = state.get("pending_update")

@@ -119,10 +119,10 @@ def test_add_param_group_keeps_calibrated_thresholds_and_names(tmp_path):
             opt.zero_grad()
 
     train(40)
-    learned = list(opt._calibrator.thresholds)
+    learned = list(opt._features.calibrator.thresholds)
     opt.add_param_group({"params": list(b.parameters())})
-    assert opt._calibrator.calibrated and not opt._detector.suspended
-    assert opt._calibrator.thresholds[0] == learned[0]  # layer "0" kept its threshold
+    assert opt._features.calibrator.calibrated and not opt._detector.suspended
+    assert opt._features.calibrator.thresholds[0] == learned[0]  # layer "0" kept its threshold
     train(3, fault=lambda: scale_grad(a, 1000.0))
     spikes = _events(tmp_path, "spike")
     assert [s["layer"] for s in spikes] == ["0"]  # still detected right after the new group
