@@ -21,7 +21,7 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 
 from . import __version__
-from .actions import BufferGuard, RollbackManager, owned_buffers, skip_step
+from .actions import Containment
 from .config import GuardConfig
 from .emit import EventFactory, GuardCounters, finish_run
 from .errors import ConfigError, GradientSpikeError
@@ -146,7 +146,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._clip_input: Optional[List[float]] = None
         self._policy: Optional[GuardPolicy] = None
         self._features = Features(config, base_opt)
-        self._rollback: Optional[RollbackManager] = None
+        self._containment = Containment(base_opt, config, self._features)
         self.recorder = FlightRecorder(config.flight_recorder_steps, after=min(32, config.flight_recorder_steps))
         self._window = SummaryWindow()
 
@@ -197,20 +197,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._policy.load_state_dict(old_policy.state_dict())
         self._events = EventFactory(self.dispatcher, self.run_id, self.rank, self._names)
         self._features.reindex(idx, old_names, self._detector)
-        named = [(f"param:{n}", p) for n, p in zip(idx.param_names, idx.params)]
-        named += [(f"buffer:{n}", b) for n, b in owned_buffers(self.model, idx.params)]
-        groups: Dict[str, List[torch.Tensor]] = {}
-        for n, b in named:
-            if n.startswith("buffer:"):
-                groups.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(b)
-        self._buffers = BufferGuard(list(groups.values()))
-        if cfg.nan_action == "rollback":
-            if self._rollback is None:
-                self._rollback = RollbackManager(named, self.base_optimizer, interval=cfg.rollback_interval,
-                                                 device=cfg.snapshot_device)
-            else:
-                self._rollback.track(named)
-            self._rollback.snapshot(self.counters.steps)  # a clean state that covers every parameter
+        self._containment.reindex(self.model, idx, self.counters.steps)
 
     @property
     def _detector(self) -> Any:
@@ -345,15 +332,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _skip_requested(self, reason: str) -> None:
         step = self.counters.steps
         self._skip_reason, self._measured, self._pending_loss = None, None, None
-        skip_step(self.base_optimizer)
-        self._buffers.restore()
-        self.counters.skipped += 1
+        self._containment.skip(self.counters)
         self.counters.steps = step + 1
         if self._origin is not None:
             self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
         self._record(step, None, math.nan, -1, "skip", refused=True)
         self._events.action(step, action="skip", reason=reason)
-        self._buffers.mark()
+        self._containment.buffers.mark()
         if (step + 1) % self.config.log_every == 0:
             self._emit_summary(step, None)
 
@@ -390,7 +375,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.counters.steps = step + 1
             if stats.loss is not None and math.isfinite(stats.loss):
                 self.counters.last_loss = stats.loss
-            self._buffers.mark()
+            self._containment.buffers.mark()
         for incident, window in self.recorder.due_after(step):
             self._events.flight_record(step, incident, window)
         if (step + 1) % self.config.log_every == 0:
@@ -439,53 +424,26 @@ class GuardedOptimizer(torch.optim.Optimizer):
             loss_finite=None if stats.loss is None else stats.loss_finite,
         )
 
-    def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict], record: str = "accepted") -> None:
-        """Take the step: scale outliers back, calibration, optional clipping, the wrapped step, snapshots."""
+    def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict]) -> None:
+        """Take the step: calibration, scaled back for an outlier, optional clipping, the wrapped step."""
         decision = verdict.decision if verdict is not None else None
-        features = self._features
-        features.before_update(step, decision.ratios if decision is not None else None, self._index.n_layers,
-                               self._detector, self._events)
-        layer_norms = stats.layer_norms
+        self._features.before_update(step, decision.ratios if decision is not None else None, self._index.n_layers,
+                                     self._detector, self._events)
         # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
         # predate a framework's own clipping, so they are not scaled again (see measure()).
+        factors, record = None, "accepted"
         if verdict is not None and verdict.kind == CLIP and self.config.nan_action != "monitor" \
                 and not self._from_measure:
             assert verdict.factors is not None
-            self._scale_layers(verdict.factors)
-            layer_norms = [v * f for v, f in zip(layer_norms, verdict.factors)]
+            factors, record = verdict.factors, "clip"
             self.counters.clipped += 1
-            record = "clip"
             self._events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
-        max_norm = self.config.clip_grad_norm
-        if max_norm is not None:  # the user's own clipping, also in monitor mode
-            # Clip with the norm already measured: no second pass over the gradients, no sync.
-            total = stats.global_norm if record == "accepted" else math.sqrt(sum(v * v for v in layer_norms))
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self._index.params if p.grad is not None], coef)
-                layer_norms = [v * coef for v in layer_norms]
-        if features.clipper is not None and features.clipper.apply(layer_norms):
-            self._clip_input = layer_norms
-        # SPAM applies its LR factor around the wrapped step only.
-        update = features.spam.step if features.spam is not None else self.base_optimizer.step
-        if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
-            self._collector.measure_update(update, step)
-        else:
-            update()
+        self._clip_input = self._containment.take(step, self._index, self._collector, stats.layer_norms,
+                                                  stats.global_norm, factors)
         self.counters.accepted += 1
-        if self._rollback is not None:
-            self._rollback.after_accepted_step(step + 1)
         if decision is not None:
             self._record(step, stats, decision.max_ratio, decision.max_index, record, refused=False,
                          loss_z=verdict.loss_z if verdict is not None else None)
-
-    def _scale_layers(self, factors: List[float]) -> None:
-        """Multiply each scaled layer's gradients by its factor (one foreach call, no sync)."""
-        layer_of = self._index.layer_of_param.tolist()
-        pairs = [(p.grad, factors[layer_of[i]]) for i, p in enumerate(self._index.params)
-                 if p.grad is not None and factors[layer_of[i]] < 1.0]
-        if pairs:
-            torch._foreach_mul_([g for g, _ in pairs], [f for _, f in pairs])
 
     def _lr(self) -> Optional[float]:
         """The first parameter group's LR (what records and summaries show)."""
@@ -502,12 +460,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _incident(self, nonfinite: bool, step: int, stats: GradStats, verdict: Optional[Verdict],
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:
         """Act on an unsafe step, emit its record and the action record; the error to raise, if any."""
-        action, rollback_to = self._apply_action()
-        reset, lr_factor, spam = None, None, self._features.spam
-        if spam is not None and action not in ("raise", "monitor"):
-            layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
-            reset = spam.on_refused([p for l in layers for p in self._index.layer_params.get(l, ())])
-            lr_factor = spam.factor
+        layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
+        taken = self._containment.refuse(self.counters, self._index, layers)
+        action = taken["action"]
         fields.setdefault("threshold", self.config.spike_threshold)
         decision = verdict.decision if verdict is not None else None
         ratio, index = (decision.max_ratio, decision.max_index) if decision is not None else (math.nan, -1)
@@ -520,8 +475,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields,
         )
         reason = event.kind.value
-        self._events.action(step, action=action, reason=reason, layer=event.layer, rollback_to_step=rollback_to,
-                            momentum_reset=reset, lr_factor=lr_factor)
+        self._events.action(step, reason=reason, layer=event.layer, **taken)
         self.dispatcher.flush()
         if action == "monitor":
             self._accept(step, stats, None)
@@ -531,24 +485,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
             message, step=step, layer=event.layer, ratio=event.ratio, reason=reason,
             layer_norms=event.layer_norms, baselines=event.ema_baselines, nan_layers=event.nan_layers,
         )
-
-    def _apply_action(self) -> tuple:
-        action = self.config.nan_action
-        if action == "skip":
-            skip_step(self.base_optimizer)
-            self._buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
-            self.counters.skipped += 1
-            return action, None
-        if action == "rollback":
-            assert self._rollback is not None
-            to = self._rollback.restore()
-            self.counters.rollbacks += 1
-            return action, to
-        if action == "monitor":
-            self.counters.would_refuse += 1
-            return action, None
-        self._buffers.restore()  # raise: weights, state and buffers untouched, grads left for inspection
-        return action, None
 
     def _emit_summary(self, step: int, stats: Optional[GradStats]) -> None:
         lr = self._lr()
@@ -592,8 +528,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             "summary_window": self._window.state_dict(),
         }
         out.update(self._features.state_dict())
-        if self._rollback is not None:
-            out["rollback"] = self._rollback.state_dict(tensors=tensors)
+        if self._containment.rollback is not None:
+            out["rollback"] = self._containment.rollback.state_dict(tensors=tensors)
         rider = self._collector.rider  # the last accepted step's update size, not read yet
         if rider is not None:
             out["pending_update"] = {"step": self._collector.update_step, "sq": float(rider)}  # a sync, at checkpoints only
@@ -616,13 +552,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if "summary_window" in state:
             self._window.load_state_dict(state["summary_window"])
         self._features.load_state_dict(state, self._detector)
-        if self._rollback is not None:
-            self._rollback.load_state_dict(state.get("rollback", {}), self.counters.steps)
+        if self._containment.rollback is not None:
+            self._containment.rollback.load_state_dict(state.get("rollback", {}), self.counters.steps)
         pending = state.get("pending_update")
         if pending is not None and self.config.track_update_size:
             self._collector.rider = torch.tensor(float(pending["sq"]))
             self._collector.update_step = int(pending["step"])
-        self._buffers.mark()  # the buffers as loaded are the state a refused step returns to
+        self._containment.buffers.mark()  # the buffers as loaded are the state a refused step returns to
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"`` (the
@@ -651,9 +587,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.load_guard_state_dict(guard)
         else:
             logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
-            if self._rollback is not None:
-                self._rollback.snapshot(self.counters.steps)
-            self._buffers.mark()
+            self._containment.restart(self.counters.steps)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

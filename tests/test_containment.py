@@ -75,7 +75,7 @@ def test_skip_restores_only_changed_buffers_and_accepts_keep_new_stats(tmp_path)
     poison_grad(model.fc2)
     opt.step()
     assert torch.equal(model.bn.running_mean, after_accept)
-    assert opt._buffers.restore() == 0  # nothing changed since the mark
+    assert opt._containment.buffers.restore() == 0  # nothing changed since the mark
     opt.close()
 
 
@@ -282,7 +282,7 @@ def test_guard_state_without_tensors_is_strict_json_with_rollback_and_helene():
     fresh = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, nan_action="rollback",
                              enable_helene=True, log_dir=None, verbose=False, rollback_interval=2)
     fresh.load_guard_state_dict(json.loads(text))
-    assert fresh._rollback.snapshot_step == fresh.counters.steps == 6  # the state as loaded is the snapshot
+    assert fresh._containment.rollback.snapshot_step == fresh.counters.steps == 6  # the state as loaded is the snapshot
     opt.close()
     fresh.close()
 
