@@ -1,20 +1,17 @@
 """GuardedOptimizer: the one-line change. ``step()`` = measure -> decide -> apply -> emit.
 
 This module is the torch adapter only: :mod:`.stats` measures, :mod:`.policy` decides (pure floats),
-:mod:`.actions` contains a refused step, :mod:`.emit` builds the records, :mod:`.recorder` keeps the
-flight recorder, the sinks deliver.
+:mod:`.actions` applies (takes or refuses the step), :mod:`.emit` builds the records and keeps the run's
+log, the sinks deliver. :mod:`.features` builds the opt-in features.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import secrets
-import time
 import weakref
-from itertools import chain
 from dataclasses import asdict
-from pathlib import Path
+from itertools import chain
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -23,13 +20,12 @@ import torch.optim.optimizer as _torch_optimizer
 from . import __version__
 from .actions import Containment
 from .config import GuardConfig
-from .emit import EventFactory, GuardCounters, finish_run
+from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
+                   shared_run_id, spike_error, spike_incident)
 from .errors import ConfigError, GradientSpikeError
-from .events import json_float
 from .features import Features
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
-from .recorder import FlightRecorder, SummaryWindow
-from .sinks import ConsoleSink, JsonlSink, Sink, SinkDispatcher, SpikeReportSink
+from .sinks import Sink
 from .stats import (GradStats, GradStatsCollector, ParamIndex, nonfinite_layers, origin_ranks, register_origin_probe,
                     world_size)
 
@@ -38,23 +34,6 @@ logger = logging.getLogger(__name__)
 # torch's registries of global optimizer hooks (register_optimizer_step_pre_hook / _post_hook).
 _global_pre_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
 _global_post_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_post_hooks", {})
-
-_LOSS_LAYER = "(loss)"  # trigger "layer" when only the loss is non-finite
-
-
-def new_run_id() -> str:
-    """A run id from the UTC time and a random suffix, e.g. ``20261129-183500-a1b2c3``."""
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-def _shared_run_id() -> str:
-    """A new run id; under torch.distributed every rank gets rank 0's (a collective at construction)."""
-    run_id = new_run_id()
-    if world_size() > 1:
-        box = [run_id]
-        torch.distributed.broadcast_object_list(box, src=0)
-        run_id = box[0]
-    return run_id
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -136,7 +115,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._share_base()
         dist = torch.distributed
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.run_id = config.run_id or _shared_run_id()
+        self.run_id = config.run_id or shared_run_id(world_size())
         self.counters = GuardCounters()
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
@@ -144,33 +123,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._from_measure = False
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
-        self._policy: Optional[GuardPolicy] = None
         self._features = Features(config, base_opt)
         self._containment = Containment(base_opt, config, self._features)
-        self.recorder = FlightRecorder(config.flight_recorder_steps, after=min(32, config.flight_recorder_steps))
-        self._window = SummaryWindow()
-
-        built_in: List[Sink] = []
-        self._writes = writes = self.rank == 0 or config.log_ranks == "all"
-        reports = None
-        if writes and config.log_dir is not None:
-            reports = SpikeReportSink(config.log_dir)
-            built_in += [JsonlSink(config.log_dir, per_rank=config.log_ranks == "all"), reports]
-        if writes and config.verbose:
-            built_in.append(ConsoleSink(reports=reports))
-        self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
+        self.dispatcher, self._writes = build_dispatcher(config, self.rank, extra_sinks)
+        self._log = RunLog(self.dispatcher, self.run_id, self.rank, self.counters,
+                           flight_recorder_steps=config.flight_recorder_steps, threshold=config.spike_threshold)
+        self.recorder = self._log.recorder
         self._origin = register_origin_probe(model, config.ddp_origin_hook and config.sync_ranks)
         self._build_index()
-        if config.track_update_size and any(hasattr(p, "to_local") for p in self._index.params):
+        idx = self._index
+        if config.track_update_size and any(hasattr(p, "to_local") for p in idx.params):
             raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
                               "got track_update_size=True")
-        self._features.start(self._index.params, model, eos_probe, world_size())
-        idx = self._index
-        self._events.run_start(
-            config=config.to_dict() | {"run_id": self.run_id} | self._features.describe(), optimizer=type(base_opt).__name__,
-            n_params=idx.n_params, n_layers=idx.n_layers, layer_names=list(idx.layer_names),
-            torch_version=torch.__version__, version=__version__,
-        )
+        self._features.start(idx.params, model, eos_probe, world_size())
+        self._log.run_start(config.to_dict() | {"run_id": self.run_id} | self._features.describe(), base_opt, idx,
+                            __version__)
         self._finalizer = weakref.finalize(self, finish_run, self.dispatcher, self.counters, self.run_id, self.rank)
 
     # ----------------------------------------------------------------------------- plumbing
@@ -183,25 +150,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _build_index(self) -> None:
         """(Re)index the watched parameters: at construction and after ``add_param_group``. State learned
         for known layers (baselines, calibrated thresholds, the rollback snapshot) is kept by name."""
-        cfg = self.config
-        old_policy, old_names = self._policy, getattr(self, "_names", [])
-        idx = ParamIndex.build(self.model, self.param_groups)
-        n_l = idx.n_layers
-        self._index = idx
-        self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks, origin=self._origin)
+        old_policy, old_names = getattr(self, "_policy", None), getattr(self, "_names", [])
+        idx = self._index = ParamIndex.build(self.model, self.param_groups)
+        self._collector = GradStatsCollector(idx, sync_ranks=self.config.sync_ranks, origin=self._origin)
         self._names = list(idx.layer_names) + list(idx.param_names)
-        self._policy = GuardPolicy.from_config(
-            [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names], n_l,
-            list(range(n_l)) + idx.layer_of_param.tolist(), cfg)
+        self._policy: GuardPolicy = GuardPolicy.from_config(
+            [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names], idx.n_layers,
+            list(range(idx.n_layers)) + idx.layer_of_param.tolist(), self.config)
         if old_policy is not None:
             self._policy.load_state_dict(old_policy.state_dict())
-        self._events = EventFactory(self.dispatcher, self.run_id, self.rank, self._names)
+        self._log.rename(self._names)
         self._features.reindex(idx, old_names, self._detector)
         self._containment.reindex(self.model, idx, self.counters.steps)
 
     @property
     def _detector(self) -> Any:
-        assert self._policy is not None
         return self._policy.detector
 
     def __getattr__(self, name: str) -> Any:
@@ -257,7 +220,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     @property
     def last_max_ratio(self) -> Optional[float]:
         """Highest layer ratio of the accepted steps since the last summary (``None`` before any)."""
-        return self._window.fields()["max_ratio"]
+        return self._log.window.fields()["max_ratio"]
 
     @property
     def param_index(self) -> ParamIndex:
@@ -336,11 +299,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.counters.steps = step + 1
         if self._origin is not None:
             self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
-        self._record(step, None, math.nan, -1, "skip", refused=True)
-        self._events.action(step, action="skip", reason=reason)
+        self._log.skip(step, reason, self._lr())
         self._containment.buffers.mark()
-        if (step + 1) % self.config.log_every == 0:
-            self._emit_summary(step, None)
+        if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
+            self._log.summary(step, None, self._lr(), *self._features.post_clip(self._clip_input))
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if closure is not None:
@@ -360,75 +322,49 @@ class GuardedOptimizer(torch.optim.Optimizer):
             stats = self._collector.collect(loss)
         self.last_stats = stats
         if stats.ridden is not None:  # the previous accepted step's update size
-            rms = math.sqrt(max(stats.ridden, 0.0) / max(self._index.numel, 1))
-            self.recorder.set_update_rms(self._collector.update_step, rms)
-            self._window.add_update(rms)
+            self._log.update_size(self._collector.update_step, stats.ridden, self._index.numel)
         if self._features.eos is not None:
-            self._features.observe_eos(step, stats.finite, closure, self._events)
+            self._features.observe_eos(step, stats.finite, closure, self._log.events)
         error: Optional[GradientSpikeError] = None
         try:
             if stats.finite:
                 error = self._on_finite(step, stats)
             else:
-                error = self._on_nonfinite(step, stats)
+                self.counters.nonfinite += 1
+                message, fields = nonfinite_incident(step, nonfinite_layers(stats, self._index), stats.loss,
+                                                     stats.loss_finite)
+                error = self._incident(True, step, stats, None, self._detector.baselines(), message, **fields)
         finally:
             self.counters.steps = step + 1
             if stats.loss is not None and math.isfinite(stats.loss):
                 self.counters.last_loss = stats.loss
             self._containment.buffers.mark()
-        for incident, window in self.recorder.due_after(step):
-            self._events.flight_record(step, incident, window)
-        if (step + 1) % self.config.log_every == 0:
-            self._emit_summary(step, stats)
+        self._log.flight_records(step)
+        if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
+            self._log.summary(step, stats, self._lr(), *self._features.post_clip(self._clip_input))
         if error is not None:
             raise error
         return loss
 
     def _on_finite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
         pol = self._policy
-        assert pol is not None
         verdict = pol.decide(stats.values, stats.present, stats.global_norm, stats.loss)
-        decision = verdict.decision
         before = pol.commit(verdict, stats.values, stats.present, stats.loss, stats.global_norm)
-        if decision.level_shift is not None:
-            for i, s in enumerate(decision.level_shift):
-                if s:
-                    self.counters.baseline_resets += 1
-                    run = self.config.level_shift_steps if i in verdict.consistent_shift else self.config.level_shift_patience
-                    self._events.baseline_reset(step, i, before[i], stats.values[i], run)
+        self._log.baseline_resets(step, verdict, before, stats.values, self.config)
         if verdict.kind != REFUSE:
             self._accept(step, stats, verdict)
             return None
-        t = decision.trigger
-        layer, ratio, norm = self._names[t], decision.ratios[t], stats.values[t]
         self.counters.spikes += 1
-        limit = self._detector.limit(t)
-        what = "spike_threshold" if self._detector.limits is None else "calibrated threshold"
-        message = (f"gradient spike at step {step} in layer {layer!r}: norm {norm:.4g} is {ratio:.4g}x its "
-                   f"baseline {before[t]:.4g} ({what}={limit:g}); weights untouched")
-        assert decision.spike_mask is not None
-        spike_layers = {self._names[i]: decision.ratios[i] for i, s in enumerate(decision.spike_mask) if s}
-        return self._incident(False, step, stats, verdict, before, message, layer=layer, ratio=json_float(ratio),
-                              grad_norm=json_float(norm), baseline=json_float(before[t]),
-                              spike_layers=spike_layers, nan_layers=[], threshold=limit)
-
-    def _on_nonfinite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
-        bad = nonfinite_layers(stats, self._index)
-        nan_layers = [name for name, _ in bad]
-        layer = nan_layers[0] if nan_layers else _LOSS_LAYER
-        self.counters.nonfinite += 1
-        where = f"first non-finite layer {layer!r} of {len(nan_layers)}" if nan_layers else "in the loss"
-        return self._incident(
-            True, step, stats, None, self._detector.baselines(), f"NaN/Inf at step {step}: {where}; weights untouched",
-            layer=layer, ratio=None, nan_layers=nan_layers, nonfinite_values=dict(bad),
-            loss_finite=None if stats.loss is None else stats.loss_finite,
-        )
+        det = self._detector
+        message, fields = spike_incident(step, self._names, verdict.decision, stats.values, before,
+                                         det.limit(verdict.decision.trigger), det.limits is not None)
+        return self._incident(False, step, stats, verdict, before, message, **fields)
 
     def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict]) -> None:
         """Take the step: calibration, scaled back for an outlier, optional clipping, the wrapped step."""
         decision = verdict.decision if verdict is not None else None
         self._features.before_update(step, decision.ratios if decision is not None else None, self._index.n_layers,
-                                     self._detector, self._events)
+                                     self._detector, self._log.events)
         # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
         # predate a framework's own clipping, so they are not scaled again (see measure()).
         factors, record = None, "accepted"
@@ -437,70 +373,34 @@ class GuardedOptimizer(torch.optim.Optimizer):
             assert verdict.factors is not None
             factors, record = verdict.factors, "clip"
             self.counters.clipped += 1
-            self._events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
+            self._log.events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
         self._clip_input = self._containment.take(step, self._index, self._collector, stats.layer_norms,
                                                   stats.global_norm, factors)
         self.counters.accepted += 1
         if decision is not None:
-            self._record(step, stats, decision.max_ratio, decision.max_index, record, refused=False,
-                         loss_z=verdict.loss_z if verdict is not None else None)
+            self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, self._lr(),
+                             verdict.loss_z if verdict is not None else None)
 
     def _lr(self) -> Optional[float]:
         """The first parameter group's LR (what records and summaries show)."""
         return self.param_groups[0].get("lr") if self.param_groups else None
-
-    def _record(self, step: int, stats: Optional[GradStats], ratio: float, index: int, action: str, refused: bool,
-                loss_z: Optional[float] = None) -> None:
-        """One step into the flight recorder and the summary window (``stats=None``: nothing measured)."""
-        layer = self._names[index] if index >= 0 else None
-        norm, loss = (stats.global_norm, stats.loss) if stats is not None else (math.nan, None)
-        self.recorder.record(step, norm, loss, self._lr(), ratio if index >= 0 else None, layer, action, loss_z)
-        self._window.add(norm, loss, ratio, layer, refused)
 
     def _incident(self, nonfinite: bool, step: int, stats: GradStats, verdict: Optional[Verdict],
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:
         """Act on an unsafe step, emit its record and the action record; the error to raise, if any."""
         layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
         taken = self._containment.refuse(self.counters, self._index, layers)
-        action = taken["action"]
-        fields.setdefault("threshold", self.config.spike_threshold)
-        decision = verdict.decision if verdict is not None else None
-        ratio, index = (decision.max_ratio, decision.max_index) if decision is not None else (math.nan, -1)
-        self._record(step, stats, ratio, index, action, refused=True,
-                     loss_z=verdict.loss_z if verdict is not None else None)
-        self.recorder.incident(step)
-        event = self._events.incident(
-            nonfinite, step, stats.values, stats.present, before, action=action, loss=json_float(stats.loss),
-            global_norm=json_float(stats.global_norm), window=self.recorder.window(),
-            origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields,
-        )
-        reason = event.kind.value
-        self._events.action(step, reason=reason, layer=event.layer, **taken)
-        self.dispatcher.flush()
-        if action == "monitor":
+        event = self._log.incident(nonfinite, step, stats, verdict, before, self._lr(), taken,
+                                   origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields)
+        if taken["action"] == "monitor":
             self._accept(step, stats, None)
-        if action != "raise":
-            return None
-        return GradientSpikeError(
-            message, step=step, layer=event.layer, ratio=event.ratio, reason=reason,
-            layer_norms=event.layer_norms, baselines=event.ema_baselines, nan_layers=event.nan_layers,
-        )
-
-    def _emit_summary(self, step: int, stats: Optional[GradStats]) -> None:
-        lr = self._lr()
-        post, clipped = self._features.post_clip(self._clip_input)  # reads the thresholds: summaries only
-        window = self._window.close()
-        self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm) if stats else None,
-                             loss=json_float(stats.loss) if stats else None, lr=json_float(lr),
-                             threshold=self.config.spike_threshold,
-                             post_clip_global_norm=json_float(post), clipped_layers=clipped, **window)
+        return spike_error(message, event) if taken["action"] == "raise" else None
 
     # ----------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Emit pending flight records and the ``run_end`` event, close the sinks (also at exit)."""
         if self._finalizer.alive:
-            for incident, window in self.recorder.due_after(self.counters.steps, final=True):
-                self._events.flight_record(max(self.counters.steps - 1, 0), incident, window)
+            self._log.flight_records()
         self._finalizer()
 
     def __enter__(self) -> "GuardedOptimizer":
@@ -519,13 +419,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 (for ``json.dumps``, e.g. in a Trainer's ``trainer_state.json``); a load then takes the
                 snapshot from the state it finds.
         """
-        assert self._policy is not None
         out: Dict[str, Any] = {
             "format": 2,
             "policy": self._policy.state_dict(),
             "counters": asdict(self.counters),
             "recorder": self.recorder.state_dict(),
-            "summary_window": self._window.state_dict(),
+            "summary_window": self._log.window.state_dict(),
         }
         out.update(self._features.state_dict())
         if self._containment.rollback is not None:
@@ -537,7 +436,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`guard_state_dict` output (baselines are matched by layer name)."""
-        assert self._policy is not None
         policy_state = state["policy"] if "policy" in state else state["detector"]
         self._policy.load_state_dict(policy_state)
         det_state = policy_state.get("detector", policy_state)
@@ -550,7 +448,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if "recorder" in state:
             self.recorder.load_state_dict(state["recorder"])
         if "summary_window" in state:
-            self._window.load_state_dict(state["summary_window"])
+            self._log.window.load_state_dict(state["summary_window"])
         self._features.load_state_dict(state, self._detector)
         if self._containment.rollback is not None:
             self._containment.rollback.load_state_dict(state.get("rollback", {}), self.counters.steps)
