@@ -2,7 +2,8 @@
 
 This module is the torch adapter only: :mod:`.stats` measures, :mod:`.policy` decides (pure floats),
 :mod:`.actions` applies (takes or refuses the step), :mod:`.emit` builds the records and keeps the run's
-log, the sinks deliver. :mod:`.features` builds the opt-in features.
+log, the sinks deliver. :mod:`.features` builds the opt-in features, :mod:`.checkpoint` assembles the
+guard's state, :mod:`.hooks` runs torch's step hooks.
 """
 
 from __future__ import annotations
@@ -10,30 +11,25 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from dataclasses import asdict
-from itertools import chain
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
-import torch.optim.optimizer as _torch_optimizer
 
 from . import __version__
 from .actions import Containment
+from .checkpoint import guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
 from .config import GuardConfig
 from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
                    shared_run_id, spike_error, spike_incident)
 from .errors import ConfigError, GradientSpikeError
 from .features import Features
+from .hooks import run_step
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
 from .sinks import Sink
 from .stats import (GradStats, GradStatsCollector, ParamIndex, nonfinite_layers, origin_ranks, register_origin_probe,
                     world_size)
 
 logger = logging.getLogger(__name__)
-
-# torch's registries of global optimizer hooks (register_optimizer_step_pre_hook / _post_hook).
-_global_pre_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
-_global_post_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_post_hooks", {})
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -249,28 +245,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if isinstance(closure, torch.Tensor):
             raise TypeError("optimizer.step() got a tensor as its closure; pass the loss by keyword: "
                             "optimizer.step(loss=loss)")
-        # Optimizer step hooks run as torch runs them; the profiler label only while profiling.
-        if _global_pre_hooks or self._optimizer_step_pre_hooks or _global_post_hooks or self._optimizer_step_post_hooks:
-            return self._step_with_hooks(closure, loss)
-        if torch.autograd._profiler_enabled():
-            with torch.autograd.profiler.record_function("Optimizer.step#GuardedOptimizer.step"):
-                return self._guarded_step(closure, loss)
-        return self._guarded_step(closure, loss)
+        return run_step(self, closure, loss, self._guarded_step)  # with the optimizer hooks, as torch runs them
 
     step.hooked = True  # type: ignore[attr-defined]  # tells Optimizer.__init__ not to wrap step()
-
-    def _step_with_hooks(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
-        args: tuple = (self,) if closure is None else (self, closure)
-        kwargs: Dict[str, Any] = {} if loss is None else {"loss": loss}
-        for pre_hook in chain(_global_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
-            result = pre_hook(self, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        out = self._guarded_step(closure, kwargs.get("loss"))
-        for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_post_hooks.values()):
-            post_hook(self, args, kwargs)
-        return out
 
     def measure(self, loss: Any = None) -> GradStats:
         """Measure the gradients now; the next :meth:`step` decides on these numbers.
@@ -419,75 +396,31 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 (for ``json.dumps``, e.g. in a Trainer's ``trainer_state.json``); a load then takes the
                 snapshot from the state it finds.
         """
-        out: Dict[str, Any] = {
-            "format": 2,
-            "policy": self._policy.state_dict(),
-            "counters": asdict(self.counters),
-            "recorder": self.recorder.state_dict(),
-            "summary_window": self._log.window.state_dict(),
-        }
-        out.update(self._features.state_dict())
-        if self._containment.rollback is not None:
-            out["rollback"] = self._containment.rollback.state_dict(tensors=tensors)
-        rider = self._collector.rider  # the last accepted step's update size, not read yet
-        if rider is not None:
-            out["pending_update"] = {"step": self._collector.update_step, "sq": float(rider)}  # a sync, at checkpoints only
-        return out
+        return guard_state(self._policy, self._log, self._features, self._containment.rollback, self._collector,
+                           tensors)
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`guard_state_dict` output (baselines are matched by layer name)."""
-        policy_state = state["policy"] if "policy" in state else state["detector"]
-        self._policy.load_state_dict(policy_state)
-        det_state = policy_state.get("detector", policy_state)
-        unknown = self._detector.unknown_names(det_state)
-        if unknown:
-            logger.warning("stabilityguard: %d saved baselines match no layer here (e.g. %s)", len(unknown), unknown[0])
-        for k, v in state.get("counters", {}).items():
-            if hasattr(self.counters, k):
-                setattr(self.counters, k, v)
-        if "recorder" in state:
-            self.recorder.load_state_dict(state["recorder"])
-        if "summary_window" in state:
-            self._log.window.load_state_dict(state["summary_window"])
-        self._features.load_state_dict(state, self._detector)
-        if self._containment.rollback is not None:
-            self._containment.rollback.load_state_dict(state.get("rollback", {}), self.counters.steps)
-        pending = state.get("pending_update")
-        if pending is not None and self.config.track_update_size:
-            self._collector.rider = torch.tensor(float(pending["sq"]))
-            self._collector.update_step = int(pending["step"])
+        load_guard_state(state, self._policy, self._log, self._features, self._containment.rollback, self._collector,
+                         self.config.track_update_size)
         self._containment.buffers.mark()  # the buffers as loaded are the state a refused step returns to
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"`` (the
         optimizer's ``register_state_dict_pre_hook``/``post_hook`` hooks run as for a plain optimizer)."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        sd = self.base_optimizer.state_dict()
-        sd["stabilityguard"] = self.guard_state_dict()
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, sd)
-            if result is not None:
-                sd = result
-        return sd
+        return merged_state_dict(self, self.base_optimizer, self.guard_state_dict)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint from :meth:`state_dict`, or a plain optimizer's (baselines start fresh)."""
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        sd = dict(state_dict)
-        guard = sd.pop("stabilityguard", None)
-        self.base_optimizer.load_state_dict(sd)
+        load_merged_state_dict(self, self.base_optimizer, state_dict, self._loaded)
+
+    def _loaded(self, guard: Optional[Dict[str, Any]]) -> None:
         self._share_base()
         if guard is not None:
             self.load_guard_state_dict(guard)
-        else:
-            logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
-            self._containment.restart(self.counters.steps)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+            return
+        logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
+        self._containment.restart(self.counters.steps)
 
 
 __all__ = ["GuardCounters", "GuardedOptimizer", "new_run_id"]
