@@ -3,7 +3,7 @@
 This module is the torch adapter only: :mod:`.stats` measures, :mod:`.policy` decides (pure floats),
 :mod:`.actions` applies (takes or refuses the step), :mod:`.emit` builds the records and keeps the run's
 log, the sinks deliver. :mod:`.features` builds the opt-in features, :mod:`.checkpoint` assembles the
-guard's state, :mod:`.hooks` runs torch's step hooks.
+guard's state, :mod:`.hooks` runs torch's step hooks, :mod:`.arguments` checks the arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from . import __version__
 from .actions import Containment
+from .arguments import check_arguments
 from .checkpoint import guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
 from .config import GuardConfig
 from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
@@ -76,31 +77,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base_opt: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  config: Optional[GuardConfig] = None, eos_probe: Optional[Callable[[], torch.Tensor]] = None,
                  sinks: Optional[Iterable[Sink]] = None, **settings: Any) -> None:
-        if isinstance(base_opt, GuardedOptimizer):
-            raise ConfigError("base_opt is already a GuardedOptimizer; wrap the plain optimizer once")
-        if not isinstance(base_opt, torch.optim.Optimizer):
-            raise ConfigError(
-                f"base_opt must be a torch.optim.Optimizer (e.g. torch.optim.AdamW); got {type(base_opt).__name__}"
-            )
-        if isinstance(base_opt, torch.optim.LBFGS):
-            raise ConfigError("base_opt must be a single-evaluation optimizer (SGD, Adam, AdamW, ...); got LBFGS, "
-                              "whose step() re-evaluates the closure many times, which the guard cannot check")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
-        unknown = sorted(set(settings) - set(GuardConfig.field_names()))
-        if unknown:
-            raise TypeError(f"GuardedOptimizer() got an unexpected keyword argument {unknown[0]!r}; the settings "
-                            f"are the GuardConfig fields: {', '.join(GuardConfig.field_names())}")
-        if config is None:
-            config = GuardConfig(**settings)
-        elif not isinstance(config, GuardConfig):
-            raise ConfigError(f"config must be a GuardConfig or None; got {type(config).__name__}")
-        extra_sinks = list(sinks) if sinks is not None else []
-        for s in extra_sinks:
-            if not callable(getattr(s, "emit", None)):
-                raise ConfigError(
-                    f"sinks must be objects with an emit(event) method (see stabilityguard.sinks.Sink); got {s!r}"
-                )
+        config, extra_sinks = check_arguments(base_opt, model, config, settings, sinks, GuardedOptimizer)
 
         # Optimizer.__init__ sets up hooks and the profiled step; its param_groups/state are then
         # replaced by the wrapped optimizer's own objects, so both see the same groups and state.
