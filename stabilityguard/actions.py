@@ -346,7 +346,9 @@ class Containment:
         the wrapped step (SPAM's LR factor around it; with ``track_update_size`` measured by ``collector``),
         the snapshot schedule. Returns the layer norms the per-layer clip clipped, if it did."""
         features = self.features
-        layer_norms = self.scale(index, layer_norms, global_norm, factors, self.config.clip_grad_norm)
+        max_norm = self.config.clip_grad_norm
+        if factors is not None or max_norm is not None:
+            layer_norms = self.scale(index, layer_norms, global_norm, factors, max_norm)
         clipped = features.clipper is not None and features.clipper.apply(layer_norms)
         update = features.spam.step if features.spam is not None else self.optimizer.step
         if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer

@@ -317,8 +317,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict]) -> None:
         """Take the step: calibration, scaled back for an outlier, optional clipping, the wrapped step."""
         decision = verdict.decision if verdict is not None else None
-        self._features.before_update(step, decision.ratios if decision is not None else None, self._index.n_layers,
-                                     self._detector, self._log.events)
+        self._features.before_update(step, decision, self._index, self._policy, self._log.events)
         # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
         # predate a framework's own clipping, so they are not scaled again (see measure()).
         factors, record = None, "accepted"

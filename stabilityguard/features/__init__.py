@@ -115,12 +115,12 @@ class Features:
             events.calibration(step, cal.thresholds or [], warmup_steps=cal.warmup, z=cal.z,
                                max_threshold=cal.max_threshold)
 
-    def before_update(self, step: int, ratios: Optional[List[float]], n_layers: int, detector: Any,
-                      events: Any) -> None:
-        """An accepted step is about to update the parameters: calibration learns its layer ratios (``None``:
-        a refused step taken in monitor mode), the secant holds what it needs, when due."""
-        if ratios is not None and self.calibrator is not None:
-            self.calibrate(step, ratios, n_layers, detector, events)
+    def before_update(self, step: int, decision: Any, index: Any, policy: Any, events: Any) -> None:
+        """An accepted step is about to update the parameters: calibration learns the layer ratios of its
+        ``decision`` (``None``: a refused step taken in monitor mode), the secant holds what it needs, when
+        due. Nothing is looked up for a feature that is off."""
+        if decision is not None and self.calibrator is not None:
+            self.calibrate(step, decision.ratios, index.n_layers, policy.detector, events)
         if self.eos is not None:
             self.eos.before_update(step)  # the secant holds the raw gradients and parameters
 
