@@ -104,7 +104,7 @@ class Trainer:
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, graded_response=False)
         elif method == "guard-nobuf":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False)
-            self.opt._buffers = BufferGuard([])  # benchmark-only: no buffer tracking
+            self.opt._containment.buffers = BufferGuard([])  # benchmark-only: no buffer tracking
         elif method == "guard+helene":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_helene=True)
         elif method == "guard+eos-secant":

@@ -104,7 +104,7 @@ def run_cell(workload: "P.Workload", scenario: "P.Scenario", opt_name: str, vari
     opt.close()
     ratios = []
     for s, names in sorted(sink.layers.items()):
-        idx = sorted({index[id(p)] for n in names for p in opt._layer_params.get(n, ())})
+        idx = sorted({index[id(p)] for n in names for p in opt.param_index.layer_params.get(n, ())})
         if not idx:
             continue
         numel = sum(params[i].numel() for i in idx)

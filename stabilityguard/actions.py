@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -264,3 +265,117 @@ class RollbackManager:
                 entry[k] = (self._copy(v), device)
             self._opt_state[n] = entry
         self.snapshot_step = int(step)
+
+
+class Containment:
+    """How one guard applies its decisions: :meth:`take` a step (gradients scaled back and clipped, the
+    wrapped step), :meth:`refuse` one (``nan_action``), and what a refused step returns to.
+
+    Holds the :class:`BufferGuard` over the owned module buffers and, with ``nan_action="rollback"``, the
+    :class:`RollbackManager`. No host sync.
+
+    Args:
+        optimizer: The wrapped optimizer.
+        config: The guard's settings (``nan_action``, ``rollback_interval``, ``snapshot_device``,
+            ``clip_grad_norm``, ``track_update_size``).
+        features: The guard's :class:`~stabilityguard.features.Features` (the per-layer clipper and SPAM
+            act around the wrapped step).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: Any, features: Any) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.features = features
+        self.buffers = BufferGuard([])
+        self.rollback: Optional[RollbackManager] = None
+
+    def reindex(self, model: Optional[torch.nn.Module], index: Any, step: int) -> None:
+        """Follow a new parameter index: guard the owned buffers, one group per module; with rollback,
+        track the parameters and buffers by name and take a snapshot that covers them all now."""
+        named = [(f"param:{n}", p) for n, p in zip(index.param_names, index.params)]
+        named += [(f"buffer:{n}", b) for n, b in owned_buffers(model, index.params)]
+        groups: Dict[str, List[torch.Tensor]] = {}
+        for n, b in named:
+            if n.startswith("buffer:"):
+                groups.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(b)
+        self.buffers = BufferGuard(list(groups.values()))
+        if self.config.nan_action == "rollback":
+            if self.rollback is None:
+                self.rollback = RollbackManager(named, self.optimizer, interval=self.config.rollback_interval,
+                                                device=self.config.snapshot_device)
+            else:
+                self.rollback.track(named)
+            self.rollback.snapshot(step)  # a clean state that covers every parameter
+
+    def skip(self, counters: Any) -> None:
+        """Discard the step's gradients, put back the buffers its forward pass wrote; count it as skipped."""
+        skip_step(self.optimizer)
+        self.buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
+        counters.skipped += 1
+
+    def restart(self, step: int) -> None:
+        """The state as it is now (a checkpoint loaded without guard state, at ``step``) is what a refused
+        step returns to: a new rollback snapshot, the buffers marked."""
+        if self.rollback is not None:
+            self.rollback.snapshot(step)
+        self.buffers.mark()
+
+    def refuse(self, counters: Any, index: Any, layers: Set[str]) -> Dict[str, Any]:
+        """Apply ``nan_action`` to an unsafe step and count it in ``counters``; with SPAM (not for ``raise``
+        or ``monitor``), reset the state of ``layers``' parameters. Returns the ``action`` record's fields."""
+        action, to = self.config.nan_action, None
+        if action == "skip":
+            self.skip(counters)
+        elif action == "rollback":
+            assert self.rollback is not None
+            to = self.rollback.restore()
+            counters.rollbacks += 1
+        elif action == "monitor":
+            counters.would_refuse += 1
+        else:
+            self.buffers.restore()  # raise: weights, state and buffers untouched, grads left for inspection
+        reset, lr_factor, spam = None, None, self.features.spam
+        if spam is not None and action not in ("raise", "monitor"):
+            reset = spam.on_refused([p for l in layers for p in index.layer_params.get(l, ())])
+            lr_factor = spam.factor
+        return {"action": action, "rollback_to_step": to, "momentum_reset": reset, "lr_factor": lr_factor}
+
+    def take(self, step: int, index: Any, collector: Any, layer_norms: List[float], global_norm: float,
+             factors: Optional[Sequence[float]]) -> Optional[List[float]]:
+        """Take step ``step``: :meth:`scale` (``factors``: an outlier's, or ``None``), the per-layer clip,
+        the wrapped step (SPAM's LR factor around it; with ``track_update_size`` measured by ``collector``),
+        the snapshot schedule. Returns the layer norms the per-layer clip clipped, if it did."""
+        features = self.features
+        max_norm = self.config.clip_grad_norm
+        if factors is not None or max_norm is not None:
+            layer_norms = self.scale(index, layer_norms, global_norm, factors, max_norm)
+        clipped = features.clipper is not None and features.clipper.apply(layer_norms)
+        update = features.spam.step if features.spam is not None else self.optimizer.step
+        if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
+            collector.measure_update(update, step)
+        else:
+            update()
+        if self.rollback is not None:
+            self.rollback.after_accepted_step(step + 1)
+        return layer_norms if clipped else None
+
+    @staticmethod
+    def scale(index: Any, layer_norms: List[float], global_norm: float, factors: Optional[Sequence[float]],
+              max_norm: Optional[float]) -> List[float]:
+        """Scale an outlier's layers back by ``factors`` (``None``: not scaled), then clip the total norm to
+        ``max_norm`` (``clip_grad_norm``; ``None``: off) with the norms already measured: no second pass
+        over the gradients, no sync. Returns the layer norms after both."""
+        if factors is not None:  # each scaled layer's gradients times its factor, one foreach call
+            layer_of = index.layer_of_param.tolist()
+            pairs = [(p.grad, factors[layer_of[i]]) for i, p in enumerate(index.params)
+                     if p.grad is not None and factors[layer_of[i]] < 1.0]
+            if pairs:
+                torch._foreach_mul_([g for g, _ in pairs], [f for _, f in pairs])
+            layer_norms = [v * f for v, f in zip(layer_norms, factors)]
+        if max_norm is not None:
+            total = global_norm if factors is None else math.sqrt(sum(v * v for v in layer_norms))
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in index.params if p.grad is not None], coef)
+                layer_norms = [v * coef for v in layer_norms]
+        return layer_norms

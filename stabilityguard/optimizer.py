@@ -1,67 +1,36 @@
 """GuardedOptimizer: the one-line change. ``step()`` = measure -> decide -> apply -> emit.
 
 This module is the torch adapter only: :mod:`.stats` measures, :mod:`.policy` decides (pure floats),
-:mod:`.actions` contains a refused step, :mod:`.emit` builds the records, :mod:`.recorder` keeps the
-flight recorder, the sinks deliver.
+:mod:`.actions` applies (takes or refuses the step), :mod:`.emit` builds the records and keeps the run's
+log, the sinks deliver. :mod:`.features` builds the opt-in features, :mod:`.checkpoint` assembles the
+guard's state, :mod:`.hooks` runs torch's step hooks, :mod:`.arguments` checks the arguments.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import secrets
-import time
 import weakref
-from itertools import chain
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
-import torch.optim.optimizer as _torch_optimizer
 
 from . import __version__
-from .actions import BufferGuard, RollbackManager, owned_buffers, skip_step
+from .actions import Containment
+from .arguments import check_arguments
+from .checkpoint import guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
 from .config import GuardConfig
-from .emit import EventFactory, GuardCounters, finish_run
+from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
+                   shared_run_id, spike_error, spike_incident)
 from .errors import ConfigError, GradientSpikeError
-from .events import json_float
-from .features.calibration import AutoCalibrator
-from .features.edge_of_stability import EdgeOfStabilityMonitor
-from .features.helene import LayerClipper
-from .features.spam import MomentumReset
+from .features import Features
+from .hooks import run_step
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
-from .recorder import FlightRecorder, SummaryWindow
-from .sinks import ConsoleSink, JsonlSink, Sink, SinkDispatcher, SpikeReportSink
-from .stats import GradStats, GradStatsCollector, OriginProbe, ParamIndex, nonfinite_layers, origin_ranks
+from .sinks import Sink
+from .stats import (GradStats, GradStatsCollector, ParamIndex, nonfinite_layers, origin_ranks, register_origin_probe,
+                    world_size)
 
 logger = logging.getLogger(__name__)
-
-# torch's registries of global optimizer hooks (register_optimizer_step_pre_hook / _post_hook).
-_global_pre_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
-_global_post_hooks: Dict[int, Callable] = getattr(_torch_optimizer, "_global_optimizer_post_hooks", {})
-
-_LOSS_LAYER = "(loss)"  # trigger "layer" when only the loss is non-finite
-
-
-def new_run_id() -> str:
-    """A run id from the UTC time and a random suffix, e.g. ``20261129-183500-a1b2c3``."""
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _shared_run_id() -> str:
-    """A new run id; under torch.distributed every rank gets rank 0's (a collective at construction)."""
-    run_id = new_run_id()
-    if _world() > 1:
-        box = [run_id]
-        torch.distributed.broadcast_object_list(box, src=0)
-        run_id = box[0]
-    return run_id
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -108,31 +77,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base_opt: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None, *,
                  config: Optional[GuardConfig] = None, eos_probe: Optional[Callable[[], torch.Tensor]] = None,
                  sinks: Optional[Iterable[Sink]] = None, **settings: Any) -> None:
-        if isinstance(base_opt, GuardedOptimizer):
-            raise ConfigError("base_opt is already a GuardedOptimizer; wrap the plain optimizer once")
-        if not isinstance(base_opt, torch.optim.Optimizer):
-            raise ConfigError(
-                f"base_opt must be a torch.optim.Optimizer (e.g. torch.optim.AdamW); got {type(base_opt).__name__}"
-            )
-        if isinstance(base_opt, torch.optim.LBFGS):
-            raise ConfigError("base_opt must be a single-evaluation optimizer (SGD, Adam, AdamW, ...); got LBFGS, "
-                              "whose step() re-evaluates the closure many times, which the guard cannot check")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
-        unknown = sorted(set(settings) - set(GuardConfig.field_names()))
-        if unknown:
-            raise TypeError(f"GuardedOptimizer() got an unexpected keyword argument {unknown[0]!r}; the settings "
-                            f"are the GuardConfig fields: {', '.join(GuardConfig.field_names())}")
-        if config is None:
-            config = GuardConfig(**settings)
-        elif not isinstance(config, GuardConfig):
-            raise ConfigError(f"config must be a GuardConfig or None; got {type(config).__name__}")
-        extra_sinks = list(sinks) if sinks is not None else []
-        for s in extra_sinks:
-            if not callable(getattr(s, "emit", None)):
-                raise ConfigError(
-                    f"sinks must be objects with an emit(event) method (see stabilityguard.sinks.Sink); got {s!r}"
-                )
+        config, extra_sinks = check_arguments(base_opt, model, config, settings, sinks, GuardedOptimizer)
 
         # Optimizer.__init__ sets up hooks and the profiled step; its param_groups/state are then
         # replaced by the wrapped optimizer's own objects, so both see the same groups and state.
@@ -143,7 +88,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._share_base()
         dist = torch.distributed
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.run_id = config.run_id or _shared_run_id()
+        self.run_id = config.run_id or shared_run_id(world_size())
         self.counters = GuardCounters()
         self.last_stats: Optional[GradStats] = None
         self._pending_loss: Any = None
@@ -151,57 +96,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._from_measure = False
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
-        self._policy: Optional[GuardPolicy] = None
-        self._calibrator: Optional[AutoCalibrator] = None
-        self._rollback: Optional[RollbackManager] = None
-        self.recorder = FlightRecorder(config.flight_recorder_steps, after=min(32, config.flight_recorder_steps))
-        self._window = SummaryWindow()
-
-        built_in: List[Sink] = []
-        self._writes = writes = self.rank == 0 or config.log_ranks == "all"
-        reports = None
-        if writes and config.log_dir is not None:
-            reports = SpikeReportSink(config.log_dir)
-            built_in += [JsonlSink(config.log_dir, per_rank=config.log_ranks == "all"), reports]
-        if writes and config.verbose:
-            built_in.append(ConsoleSink(reports=reports))
-        self.dispatcher = SinkDispatcher(built_in + (extra_sinks if writes else []))
-        self._origin = self._register_origin_probe(model)
+        self._features = Features(config, base_opt)
+        self._containment = Containment(base_opt, config, self._features)
+        self.dispatcher, self._writes = build_dispatcher(config, self.rank, extra_sinks)
+        self._log = RunLog(self.dispatcher, self.run_id, self.rank, self.counters,
+                           flight_recorder_steps=config.flight_recorder_steps, threshold=config.spike_threshold)
+        self.recorder = self._log.recorder
+        self._origin = register_origin_probe(model, config.ddp_origin_hook and config.sync_ranks)
         self._build_index()
-        if config.track_update_size and any(hasattr(p, "to_local") for p in self._index.params):
+        idx = self._index
+        if config.track_update_size and any(hasattr(p, "to_local") for p in idx.params):
             raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
                               "got track_update_size=True")
-
-        self._spam: Optional[MomentumReset] = None
-        if config.enable_spam:
-            self._spam = MomentumReset(base_opt, lr_reduction=config.spam_lr_reduction,
-                                       recovery_steps=config.spam_recovery_steps, scope=config.spam_reset_scope,
-                                       warmup_steps=config.spam_warmup_steps)
-
-        self._eos: Optional[EdgeOfStabilityMonitor] = None
-        if config.enable_edge_of_stability:
-            if _world() > 1:
-                raise ConfigError(
-                    "enable_edge_of_stability is single-process for now (its extra passes would run on each "
-                    f"rank's shard without the collectives); got world size {_world()}"
-                )
-            self._eos = EdgeOfStabilityMonitor(
-                base_opt, self._index.params, model, interval=config.eos_check_interval,
-                power_iterations=config.eos_power_iterations, method=config.eos_method, hvp=config.eos_hvp,
-                probe=eos_probe, warning_ratio=config.eos_warning_ratio, adam_warmup=config.warmup_steps,
-            )
-        elif eos_probe is not None:
-            raise ConfigError("eos_probe is only used with enable_edge_of_stability=True; got enable_edge_of_stability=False")
-
-        idx = self._index
-        recorded = config.to_dict() | {"run_id": self.run_id}
-        if self._eos is not None:  # the estimator "auto" chose (None: decided at the first step)
-            recorded |= self._eos.describe()
-        self._events.run_start(
-            config=recorded, optimizer=type(base_opt).__name__,
-            n_params=idx.n_params, n_layers=idx.n_layers, layer_names=list(idx.layer_names),
-            torch_version=torch.__version__, version=__version__,
-        )
+        self._features.start(idx.params, model, eos_probe, world_size())
+        self._log.run_start(config.to_dict() | {"run_id": self.run_id} | self._features.describe(), base_opt, idx,
+                            __version__)
         self._finalizer = weakref.finalize(self, finish_run, self.dispatcher, self.counters, self.run_id, self.rank)
 
     # ----------------------------------------------------------------------------- plumbing
@@ -214,71 +123,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _build_index(self) -> None:
         """(Re)index the watched parameters: at construction and after ``add_param_group``. State learned
         for known layers (baselines, calibrated thresholds, the rollback snapshot) is kept by name."""
-        cfg = self.config
-        old_policy, old_names = self._policy, getattr(self, "_names", [])
-        idx = ParamIndex.build(self.model, self.param_groups)
-        n_l = idx.n_layers
-        self._index = idx
-        self._numel = sum(p.numel() for p in idx.params)
-        self._update_of = -1  # the step whose update size the collector carries
-        self._collector = GradStatsCollector(idx, sync_ranks=cfg.sync_ranks, origin=self._origin)
+        old_policy, old_names = getattr(self, "_policy", None), getattr(self, "_names", [])
+        idx = self._index = ParamIndex.build(self.model, self.param_groups)
+        self._collector = GradStatsCollector(idx, sync_ranks=self.config.sync_ranks, origin=self._origin)
         self._names = list(idx.layer_names) + list(idx.param_names)
-        self._layer_params: Dict[str, List[torch.Tensor]] = {}
-        for p, layer in zip(idx.params, idx.layer_of_param.tolist()):
-            self._layer_params.setdefault(idx.layer_names[layer], []).append(p)
-        self._policy = GuardPolicy.from_config(
-            [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names], n_l,
-            list(range(n_l)) + idx.layer_of_param.tolist(), cfg)
+        self._policy: GuardPolicy = GuardPolicy.from_config(
+            [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names], idx.n_layers,
+            list(range(idx.n_layers)) + idx.layer_of_param.tolist(), self.config)
         if old_policy is not None:
             self._policy.load_state_dict(old_policy.state_dict())
-        self._events = EventFactory(self.dispatcher, self.run_id, self.rank, self._names)
-        self._clipper: Optional[LayerClipper] = None
-        if cfg.enable_helene:
-            self._clipper = LayerClipper(self.base_optimizer, idx.params, idx.layer_of_param.tolist(), n_l,
-                                         base_clip=cfg.helene_base_clip, refresh_steps=cfg.helene_refresh_steps)
-        if cfg.enable_auto_calibration:
-            cal = self._calibrator
-            if cal is None:
-                cal = self._calibrator = AutoCalibrator(n_l, warmup=cfg.auto_calibration_warmup_steps,
-                                                        max_threshold=cfg.spike_threshold)
-            else:
-                cal.remap(old_names[: len(cal.samples)], idx.layer_names)
-            self._detector.limits = cal.thresholds
-            self._detector.suspended = not cal.calibrated  # until the thresholds are learned: NaN/Inf only
-        named = [(f"param:{n}", p) for n, p in zip(idx.param_names, idx.params)]
-        named += [(f"buffer:{n}", b) for n, b in owned_buffers(self.model, idx.params)]
-        groups: Dict[str, List[torch.Tensor]] = {}
-        for n, b in named:
-            if n.startswith("buffer:"):
-                groups.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(b)
-        self._buffers = BufferGuard(list(groups.values()))
-        if cfg.nan_action == "rollback":
-            if self._rollback is None:
-                self._rollback = RollbackManager(named, self.base_optimizer, interval=cfg.rollback_interval,
-                                                 device=cfg.snapshot_device)
-            else:
-                self._rollback.track(named)
-            self._rollback.snapshot(self.counters.steps)  # a clean state that covers every parameter
-
-    def _register_origin_probe(self, model: Optional[torch.nn.Module]) -> Optional[OriginProbe]:
-        """Under DDP (world > 1, ``sync_ranks``): a communication hook that tells which rank's local
-        gradients were non-finite or spiking before the all-reduce (``origin_ranks`` in the events)."""
-        cfg = self.config
-        if not (cfg.ddp_origin_hook and cfg.sync_ranks and _world() > 1
-                and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
-            return None
-        probe = OriginProbe()
-        try:
-            model.register_comm_hook(None, probe.hook)
-        except RuntimeError as exc:  # DDP takes one hook: the user's own is already there
-            logger.warning("stabilityguard: cannot register the DDP origin hook (%s); events will not say which "
-                           "rank an incident came from", exc)
-            return None
-        return probe
+        self._log.rename(self._names)
+        self._features.reindex(idx, old_names, self._detector)
+        self._containment.reindex(self.model, idx, self.counters.steps)
 
     @property
     def _detector(self) -> Any:
-        assert self._policy is not None
         return self._policy.detector
 
     def __getattr__(self, name: str) -> Any:
@@ -334,7 +193,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     @property
     def last_max_ratio(self) -> Optional[float]:
         """Highest layer ratio of the accepted steps since the last summary (``None`` before any)."""
-        return self._window.fields()["max_ratio"]
+        return self._log.window.fields()["max_ratio"]
 
     @property
     def param_index(self) -> ParamIndex:
@@ -363,28 +222,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if isinstance(closure, torch.Tensor):
             raise TypeError("optimizer.step() got a tensor as its closure; pass the loss by keyword: "
                             "optimizer.step(loss=loss)")
-        # Optimizer step hooks run as torch runs them; the profiler label only while profiling.
-        if _global_pre_hooks or self._optimizer_step_pre_hooks or _global_post_hooks or self._optimizer_step_post_hooks:
-            return self._step_with_hooks(closure, loss)
-        if torch.autograd._profiler_enabled():
-            with torch.autograd.profiler.record_function("Optimizer.step#GuardedOptimizer.step"):
-                return self._guarded_step(closure, loss)
-        return self._guarded_step(closure, loss)
+        return run_step(self, closure, loss, self._guarded_step)  # with the optimizer hooks, as torch runs them
 
     step.hooked = True  # type: ignore[attr-defined]  # tells Optimizer.__init__ not to wrap step()
-
-    def _step_with_hooks(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
-        args: tuple = (self,) if closure is None else (self, closure)
-        kwargs: Dict[str, Any] = {} if loss is None else {"loss": loss}
-        for pre_hook in chain(_global_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
-            result = pre_hook(self, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        out = self._guarded_step(closure, kwargs.get("loss"))
-        for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_post_hooks.values()):
-            post_hook(self, args, kwargs)
-        return out
 
     def measure(self, loss: Any = None) -> GradStats:
         """Measure the gradients now; the next :meth:`step` decides on these numbers.
@@ -409,17 +249,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _skip_requested(self, reason: str) -> None:
         step = self.counters.steps
         self._skip_reason, self._measured, self._pending_loss = None, None, None
-        skip_step(self.base_optimizer)
-        self._buffers.restore()
-        self.counters.skipped += 1
+        self._containment.skip(self.counters)
         self.counters.steps = step + 1
         if self._origin is not None:
             self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
-        self._record(step, None, math.nan, -1, "skip", refused=True)
-        self._events.action(step, action="skip", reason=reason)
-        self._buffers.mark()
-        if (step + 1) % self.config.log_every == 0:
-            self._emit_summary(step, None)
+        self._log.skip(step, reason, self._lr())
+        self._containment.buffers.mark()
+        if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
+            self._log.summary(step, None, self._lr(), *self._features.post_clip(self._clip_input))
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if closure is not None:
@@ -439,232 +276,84 @@ class GuardedOptimizer(torch.optim.Optimizer):
             stats = self._collector.collect(loss)
         self.last_stats = stats
         if stats.ridden is not None:  # the previous accepted step's update size
-            rms = math.sqrt(max(stats.ridden, 0.0) / max(self._numel, 1))
-            self.recorder.set_update_rms(self._update_of, rms)
-            self._window.add_update(rms)
-        if self._eos is not None:
-            self._observe_eos(step, stats, closure)
+            self._log.update_size(self._collector.update_step, stats.ridden, self._index.numel)
+        if self._features.eos is not None:
+            self._features.observe_eos(step, stats.finite, closure, self._log.events)
         error: Optional[GradientSpikeError] = None
         try:
             if stats.finite:
                 error = self._on_finite(step, stats)
             else:
-                error = self._on_nonfinite(step, stats)
+                self.counters.nonfinite += 1
+                message, fields = nonfinite_incident(step, nonfinite_layers(stats, self._index), stats.loss,
+                                                     stats.loss_finite)
+                error = self._incident(True, step, stats, None, self._detector.baselines(), message, **fields)
         finally:
             self.counters.steps = step + 1
             if stats.loss is not None and math.isfinite(stats.loss):
                 self.counters.last_loss = stats.loss
-            self._buffers.mark()
-        for incident, window in self.recorder.due_after(step):
-            self._events.flight_record(step, incident, window)
-        if (step + 1) % self.config.log_every == 0:
-            self._emit_summary(step, stats)
+            self._containment.buffers.mark()
+        self._log.flight_records(step)
+        if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
+            self._log.summary(step, stats, self._lr(), *self._features.post_clip(self._clip_input))
         if error is not None:
             raise error
         return loss
 
-    def _observe_eos(self, step: int, stats: GradStats, closure: Optional[Callable[[], Any]]) -> None:
-        assert self._eos is not None
-        try:
-            for est in self._eos.observe(step, stats.finite, closure):
-                self._events.sharpness(step, est, self._eos.family, self._eos.warning_ratio)
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - telemetry must not stop training
-            logger.warning("stabilityguard: edge-of-stability check failed at step %d (%s: %s); the telemetry "
-                           "is off for the rest of the run", step, type(exc).__name__, exc)
-            self._eos = None
-
     def _on_finite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
         pol = self._policy
-        assert pol is not None
         verdict = pol.decide(stats.values, stats.present, stats.global_norm, stats.loss)
-        decision = verdict.decision
         before = pol.commit(verdict, stats.values, stats.present, stats.loss, stats.global_norm)
-        if decision.level_shift is not None:
-            for i, s in enumerate(decision.level_shift):
-                if s:
-                    self.counters.baseline_resets += 1
-                    run = self.config.level_shift_steps if i in verdict.consistent_shift else self.config.level_shift_patience
-                    self._events.baseline_reset(step, i, before[i], stats.values[i], run)
+        self._log.baseline_resets(step, verdict, before, stats.values, self.config)
         if verdict.kind != REFUSE:
             self._accept(step, stats, verdict)
             return None
-        t = decision.trigger
-        layer, ratio, norm = self._names[t], decision.ratios[t], stats.values[t]
         self.counters.spikes += 1
-        limit = self._detector.limit(t)
-        what = "spike_threshold" if self._detector.limits is None else "calibrated threshold"
-        message = (f"gradient spike at step {step} in layer {layer!r}: norm {norm:.4g} is {ratio:.4g}x its "
-                   f"baseline {before[t]:.4g} ({what}={limit:g}); weights untouched")
-        assert decision.spike_mask is not None
-        spike_layers = {self._names[i]: decision.ratios[i] for i, s in enumerate(decision.spike_mask) if s}
-        return self._incident(False, step, stats, verdict, before, message, layer=layer, ratio=json_float(ratio),
-                              grad_norm=json_float(norm), baseline=json_float(before[t]),
-                              spike_layers=spike_layers, nan_layers=[], threshold=limit)
+        det = self._detector
+        message, fields = spike_incident(step, self._names, verdict.decision, stats.values, before,
+                                         det.limit(verdict.decision.trigger), det.limits is not None)
+        return self._incident(False, step, stats, verdict, before, message, **fields)
 
-    def _on_nonfinite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
-        bad = nonfinite_layers(stats, self._index)
-        nan_layers = [name for name, _ in bad]
-        layer = nan_layers[0] if nan_layers else _LOSS_LAYER
-        self.counters.nonfinite += 1
-        where = f"first non-finite layer {layer!r} of {len(nan_layers)}" if nan_layers else "in the loss"
-        return self._incident(
-            True, step, stats, None, self._detector.baselines(), f"NaN/Inf at step {step}: {where}; weights untouched",
-            layer=layer, ratio=None, nan_layers=nan_layers, nonfinite_values=dict(bad),
-            loss_finite=None if stats.loss is None else stats.loss_finite,
-        )
-
-    def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict], record: str = "accepted") -> None:
-        """Take the step: scale outliers back, calibration, optional clipping, the wrapped step, snapshots."""
+    def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict]) -> None:
+        """Take the step: calibration, scaled back for an outlier, optional clipping, the wrapped step."""
         decision = verdict.decision if verdict is not None else None
-        if decision is not None and self._calibrator is not None:
-            self._calibrate(step, decision.ratios)
-        if self._eos is not None:
-            self._eos.before_update(step)  # the secant holds the raw gradients and parameters, when due
-        layer_norms = stats.layer_norms
+        self._features.before_update(step, decision, self._index, self._policy, self._log.events)
         # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
         # predate a framework's own clipping, so they are not scaled again (see measure()).
+        factors, record = None, "accepted"
         if verdict is not None and verdict.kind == CLIP and self.config.nan_action != "monitor" \
                 and not self._from_measure:
             assert verdict.factors is not None
-            self._scale_layers(verdict.factors)
-            layer_norms = [v * f for v, f in zip(layer_norms, verdict.factors)]
+            factors, record = verdict.factors, "clip"
             self.counters.clipped += 1
-            record = "clip"
-            self._events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
-        max_norm = self.config.clip_grad_norm
-        if max_norm is not None:  # the user's own clipping, also in monitor mode
-            # Clip with the norm already measured: no second pass over the gradients, no sync.
-            total = stats.global_norm if record == "accepted" else math.sqrt(sum(v * v for v in layer_norms))
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self._index.params if p.grad is not None], coef)
-                layer_norms = [v * coef for v in layer_norms]
-        if self._clipper is not None and self._clipper.apply(layer_norms):
-            self._clip_input = layer_norms
-        before = None
-        if self.config.track_update_size:
-            with torch.no_grad():
-                before = torch._foreach_mul(self._index.params, 1.0)  # a copy of the parameters
-        if self._spam is not None:
-            self._spam.step()  # the LR factor is applied around the wrapped step only
-        else:
-            self.base_optimizer.step()
-        if before is not None:  # RMS of the parameter change: on the device, read in the next transfer
-            with torch.no_grad():
-                torch._foreach_sub_(before, self._index.params)
-                self._collector.rider = torch.stack(torch._foreach_norm(before)).square().sum()
-            self._update_of = step
+            self._log.events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
+        self._clip_input = self._containment.take(step, self._index, self._collector, stats.layer_norms,
+                                                  stats.global_norm, factors)
         self.counters.accepted += 1
-        if self._rollback is not None:
-            self._rollback.after_accepted_step(step + 1)
         if decision is not None:
-            self._record(step, stats, decision.max_ratio, decision.max_index, record, refused=False,
-                         loss_z=verdict.loss_z if verdict is not None else None)
-
-    def _scale_layers(self, factors: List[float]) -> None:
-        """Multiply each scaled layer's gradients by its factor (one foreach call, no sync)."""
-        layer_of = self._index.layer_of_param.tolist()
-        pairs = [(p.grad, factors[layer_of[i]]) for i, p in enumerate(self._index.params)
-                 if p.grad is not None and factors[layer_of[i]] < 1.0]
-        if pairs:
-            torch._foreach_mul_([g for g, _ in pairs], [f for _, f in pairs])
+            self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, self._lr(),
+                             verdict.loss_z if verdict is not None else None)
 
     def _lr(self) -> Optional[float]:
         """The first parameter group's LR (what records and summaries show)."""
         return self.param_groups[0].get("lr") if self.param_groups else None
 
-    def _record(self, step: int, stats: Optional[GradStats], ratio: float, index: int, action: str, refused: bool,
-                loss_z: Optional[float] = None) -> None:
-        """One step into the flight recorder and the summary window (``stats=None``: nothing measured)."""
-        layer = self._names[index] if index >= 0 else None
-        norm, loss = (stats.global_norm, stats.loss) if stats is not None else (math.nan, None)
-        self.recorder.record(step, norm, loss, self._lr(), ratio if index >= 0 else None, layer, action, loss_z)
-        self._window.add(norm, loss, ratio, layer, refused)
-
-    def _calibrate(self, step: int, ratios: List[float]) -> None:
-        cal = self._calibrator
-        assert cal is not None
-        done = cal.observe(ratios[: self._index.n_layers])
-        if cal.calibrated:
-            self._detector.limits = cal.thresholds
-        if done:
-            self._detector.suspended = False
-            self._events.calibration(step, cal.thresholds or [], warmup_steps=cal.warmup, z=cal.z,
-                                     max_threshold=cal.max_threshold)
-
     def _incident(self, nonfinite: bool, step: int, stats: GradStats, verdict: Optional[Verdict],
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:
         """Act on an unsafe step, emit its record and the action record; the error to raise, if any."""
-        action, rollback_to = self._apply_action()
-        reset, lr_factor = None, None
-        if self._spam is not None and action not in ("raise", "monitor"):
-            layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
-            reset = self._spam.on_refused([p for l in layers for p in self._layer_params.get(l, ())])
-            lr_factor = self._spam.factor
-        fields.setdefault("threshold", self.config.spike_threshold)
-        decision = verdict.decision if verdict is not None else None
-        ratio, index = (decision.max_ratio, decision.max_index) if decision is not None else (math.nan, -1)
-        self._record(step, stats, ratio, index, action, refused=True,
-                     loss_z=verdict.loss_z if verdict is not None else None)
-        self.recorder.incident(step)
-        event = self._events.incident(
-            nonfinite, step, stats.values, stats.present, before, action=action, loss=json_float(stats.loss),
-            global_norm=json_float(stats.global_norm), window=self.recorder.window(),
-            origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields,
-        )
-        reason = event.kind.value
-        self._events.action(step, action=action, reason=reason, layer=event.layer, rollback_to_step=rollback_to,
-                            momentum_reset=reset, lr_factor=lr_factor)
-        self.dispatcher.flush()
-        if action == "monitor":
+        layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
+        taken = self._containment.refuse(self.counters, self._index, layers)
+        event = self._log.incident(nonfinite, step, stats, verdict, before, self._lr(), taken,
+                                   origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields)
+        if taken["action"] == "monitor":
             self._accept(step, stats, None)
-        if action != "raise":
-            return None
-        return GradientSpikeError(
-            message, step=step, layer=event.layer, ratio=event.ratio, reason=reason,
-            layer_norms=event.layer_norms, baselines=event.ema_baselines, nan_layers=event.nan_layers,
-        )
-
-    def _apply_action(self) -> tuple:
-        action = self.config.nan_action
-        if action == "skip":
-            skip_step(self.base_optimizer)
-            self._buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
-            self.counters.skipped += 1
-            return action, None
-        if action == "rollback":
-            assert self._rollback is not None
-            to = self._rollback.restore()
-            self.counters.rollbacks += 1
-            return action, to
-        if action == "monitor":
-            self.counters.would_refuse += 1
-            return action, None
-        self._buffers.restore()  # raise: weights, state and buffers untouched, grads left for inspection
-        return action, None
-
-    def _emit_summary(self, step: int, stats: Optional[GradStats]) -> None:
-        lr = self._lr()
-        post, clipped = None, None
-        if self._clip_input is not None and self._clipper is not None:  # accepted and clipped per layer
-            after = self._clipper.post_clip_norms(self._clip_input)  # reads the thresholds: summaries only
-            if after is not None:
-                post = math.sqrt(sum(v * v for v in after))
-                clipped = sum(1 for a, b in zip(after, self._clip_input) if a < b)
-        window = self._window.close()
-        self._events.summary(step, self.counters, global_norm=json_float(stats.global_norm) if stats else None,
-                             loss=json_float(stats.loss) if stats else None, lr=json_float(lr),
-                             threshold=self.config.spike_threshold,
-                             post_clip_global_norm=json_float(post), clipped_layers=clipped, **window)
+        return spike_error(message, event) if taken["action"] == "raise" else None
 
     # ----------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Emit pending flight records and the ``run_end`` event, close the sinks (also at exit)."""
         if self._finalizer.alive:
-            for incident, window in self.recorder.due_after(self.counters.steps, final=True):
-                self._events.flight_record(max(self.counters.steps - 1, 0), incident, window)
+            self._log.flight_records()
         self._finalizer()
 
     def __enter__(self) -> "GuardedOptimizer":
@@ -683,88 +372,31 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 (for ``json.dumps``, e.g. in a Trainer's ``trainer_state.json``); a load then takes the
                 snapshot from the state it finds.
         """
-        assert self._policy is not None
-        out: Dict[str, Any] = {
-            "format": 2,
-            "policy": self._policy.state_dict(),
-            "counters": asdict(self.counters),
-            "recorder": self.recorder.state_dict(),
-            "summary_window": self._window.state_dict(),
-        }
-        for key, part in (("spam", self._spam), ("calibration", self._calibrator), ("edge_of_stability", self._eos),
-                          ("helene", self._clipper)):
-            if part is not None:
-                out[key] = part.state_dict()
-        if self._rollback is not None:
-            out["rollback"] = self._rollback.state_dict(tensors=tensors)
-        rider = self._collector.rider  # the last accepted step's update size, not read yet
-        if rider is not None:
-            out["pending_update"] = {"step": self._update_of, "sq": float(rider)}  # a sync, at checkpoints only
-        return out
+        return guard_state(self._policy, self._log, self._features, self._containment.rollback, self._collector,
+                           tensors)
 
     def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`guard_state_dict` output (baselines are matched by layer name)."""
-        assert self._policy is not None
-        policy_state = state["policy"] if "policy" in state else state["detector"]
-        self._policy.load_state_dict(policy_state)
-        det_state = policy_state.get("detector", policy_state)
-        unknown = self._detector.unknown_names(det_state)
-        if unknown:
-            logger.warning("stabilityguard: %d saved baselines match no layer here (e.g. %s)", len(unknown), unknown[0])
-        for k, v in state.get("counters", {}).items():
-            if hasattr(self.counters, k):
-                setattr(self.counters, k, v)
-        if "recorder" in state:
-            self.recorder.load_state_dict(state["recorder"])
-        if "summary_window" in state:
-            self._window.load_state_dict(state["summary_window"])
-        for key, part in (("spam", self._spam), ("calibration", self._calibrator), ("edge_of_stability", self._eos),
-                          ("helene", self._clipper)):
-            if part is not None and key in state:
-                part.load_state_dict(state[key])
-        if self._calibrator is not None and self._calibrator.calibrated:
-            self._detector.limits = self._calibrator.thresholds
-            self._detector.suspended = False
-        if self._rollback is not None:
-            self._rollback.load_state_dict(state.get("rollback", {}), self.counters.steps)
-        pending = state.get("pending_update")
-        if pending is not None and self.config.track_update_size:
-            self._collector.rider = torch.tensor(float(pending["sq"]))
-            self._update_of = int(pending["step"])
-        self._buffers.mark()  # the buffers as loaded are the state a refused step returns to
+        load_guard_state(state, self._policy, self._log, self._features, self._containment.rollback, self._collector,
+                         self.config.track_update_size)
+        self._containment.buffers.mark()  # the buffers as loaded are the state a refused step returns to
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"`` (the
         optimizer's ``register_state_dict_pre_hook``/``post_hook`` hooks run as for a plain optimizer)."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        sd = self.base_optimizer.state_dict()
-        sd["stabilityguard"] = self.guard_state_dict()
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, sd)
-            if result is not None:
-                sd = result
-        return sd
+        return merged_state_dict(self, self.base_optimizer, self.guard_state_dict)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint from :meth:`state_dict`, or a plain optimizer's (baselines start fresh)."""
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        sd = dict(state_dict)
-        guard = sd.pop("stabilityguard", None)
-        self.base_optimizer.load_state_dict(sd)
+        load_merged_state_dict(self, self.base_optimizer, state_dict, self._loaded)
+
+    def _loaded(self, guard: Optional[Dict[str, Any]]) -> None:
         self._share_base()
         if guard is not None:
             self.load_guard_state_dict(guard)
-        else:
-            logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
-            if self._rollback is not None:
-                self._rollback.snapshot(self.counters.steps)
-            self._buffers.mark()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+            return
+        logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
+        self._containment.restart(self.counters.steps)
 
 
 __all__ = ["GuardCounters", "GuardedOptimizer", "new_run_id"]

@@ -11,12 +11,16 @@ and NaN/Inf propagates through a norm, so the non-finite check needs no extra pa
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from functools import cached_property
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -110,6 +114,19 @@ class ParamIndex:
     def n_layers(self) -> int:
         return len(self.layer_names)
 
+    @cached_property
+    def numel(self) -> int:
+        """Number of elements of the watched parameters."""
+        return sum(p.numel() for p in self.params)
+
+    @cached_property
+    def layer_params(self) -> Dict[str, List[torch.Tensor]]:
+        """Each layer's parameters, by layer name."""
+        out: Dict[str, List[torch.Tensor]] = {}
+        for p, layer in zip(self.params, self.layer_of_param.tolist()):
+            out.setdefault(self.layer_names[layer], []).append(p)
+        return out
+
 
 @dataclass
 class GradStats:
@@ -195,6 +212,7 @@ class GradStatsCollector:
         #: A device scalar computed after the previous step (the update size), read in this step's one
         #: transfer instead of a sync of its own; handed back as :attr:`GradStats.ridden`.
         self.rider: Optional[torch.Tensor] = None
+        self.update_step = -1  #: the step whose update size :meth:`measure_update` measured last
         self._weights: Optional[torch.Tensor] = None  # per-entry weights of the cross-rank sum
         self._n_layers = index.n_layers
         self._members: List[List[int]] = [[] for _ in range(index.n_layers)]
@@ -208,6 +226,18 @@ class GradStatsCollector:
             if dtype in (torch.float16, torch.bfloat16):
                 # Half-precision grads are accumulated in float32 so large norms do not overflow.
                 self._norm_dtype = torch.float32
+
+    def measure_update(self, update: Callable[[], Any], step: int) -> None:
+        """Run ``update`` (the optimizer step of ``step``) and keep the squared norm of the parameter change
+        it made as :attr:`rider`: computed on the device, read in the next :meth:`collect`'s transfer."""
+        params = self.index.params
+        with torch.no_grad():
+            before = torch._foreach_mul(params, 1.0)  # a copy of the parameters
+        update()
+        with torch.no_grad():
+            torch._foreach_sub_(before, params)
+            self.rider = torch.stack(torch._foreach_norm(before)).square().sum()
+        self.update_step = step
 
     def collect(self, loss: LossLike = None) -> GradStats:
         """Measure the current ``.grad`` of every watched parameter (and the loss, if given)."""
@@ -419,6 +449,29 @@ class OriginProbe:
 
 # DDP compares the hook's annotations with real classes; this module's annotations are strings.
 OriginProbe.hook.__annotations__ = {}
+
+
+def world_size() -> int:
+    """The number of processes under torch.distributed (1 when it is not initialized)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def register_origin_probe(model: Optional[torch.nn.Module], enabled: bool) -> Optional[OriginProbe]:
+    """Under DDP (world > 1, ``enabled``: ``ddp_origin_hook`` and ``sync_ranks``): register an
+    :class:`OriginProbe` as the model's communication hook, which tells which rank's local gradients were
+    non-finite or spiking before the all-reduce (``origin_ranks`` in the events). ``None`` otherwise, or
+    when the model already has a hook of its own."""
+    if not (enabled and world_size() > 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
+        return None
+    probe = OriginProbe()
+    try:
+        model.register_comm_hook(None, probe.hook)
+    except RuntimeError as exc:  # DDP takes one hook: the user's own is already there
+        logger.warning("stabilityguard: cannot register the DDP origin hook (%s); events will not say which "
+                       "rank an incident came from", exc)
+        return None
+    return probe
 
 
 def origin_ranks(rank_sq_norms: Optional[Sequence[float]], nonfinite: bool) -> Optional[List[int]]:

@@ -46,7 +46,7 @@ def test_rollback_snapshot_memory_is_reported(run_factory):
     run.train(4)
     n_model = sum(t.numel() * t.element_size() for t in run.model.state_dict().values())
     # parameters and buffers + AdamW's exp_avg and exp_avg_sq (+ step counters)
-    assert run.opt._rollback.memory_bytes() >= 3 * n_model
+    assert run.opt._containment.rollback.memory_bytes() >= 3 * n_model
 
 
 def test_raise_carries_details_and_leaves_weights(run_factory):

@@ -60,7 +60,7 @@ def test_calibration_state_round_trip(run_factory):
     fresh = GuardedOptimizer(torch.optim.AdamW(run.model.parameters(), lr=3e-3), run.model, log_dir=None,
                              verbose=False, enable_auto_calibration=True, auto_calibration_warmup_steps=20)
     fresh.load_state_dict(state)
-    assert fresh._calibrator.thresholds == run.opt._calibrator.thresholds
+    assert fresh._features.calibrator.thresholds == run.opt._features.calibrator.thresholds
     assert not fresh._detector.suspended and fresh._detector.limits == run.opt._detector.limits
 
 

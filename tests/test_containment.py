@@ -75,7 +75,7 @@ def test_skip_restores_only_changed_buffers_and_accepts_keep_new_stats(tmp_path)
     poison_grad(model.fc2)
     opt.step()
     assert torch.equal(model.bn.running_mean, after_accept)
-    assert opt._buffers.restore() == 0  # nothing changed since the mark
+    assert opt._containment.buffers.restore() == 0  # nothing changed since the mark
     opt.close()
 
 
@@ -119,10 +119,10 @@ def test_add_param_group_keeps_calibrated_thresholds_and_names(tmp_path):
             opt.zero_grad()
 
     train(40)
-    learned = list(opt._calibrator.thresholds)
+    learned = list(opt._features.calibrator.thresholds)
     opt.add_param_group({"params": list(b.parameters())})
-    assert opt._calibrator.calibrated and not opt._detector.suspended
-    assert opt._calibrator.thresholds[0] == learned[0]  # layer "0" kept its threshold
+    assert opt._features.calibrator.calibrated and not opt._detector.suspended
+    assert opt._features.calibrator.thresholds[0] == learned[0]  # layer "0" kept its threshold
     train(3, fault=lambda: scale_grad(a, 1000.0))
     spikes = _events(tmp_path, "spike")
     assert [s["layer"] for s in spikes] == ["0"]  # still detected right after the new group
@@ -282,7 +282,7 @@ def test_guard_state_without_tensors_is_strict_json_with_rollback_and_helene():
     fresh = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, nan_action="rollback",
                              enable_helene=True, log_dir=None, verbose=False, rollback_interval=2)
     fresh.load_guard_state_dict(json.loads(text))
-    assert fresh._rollback.snapshot_step == fresh.counters.steps == 6  # the state as loaded is the snapshot
+    assert fresh._containment.rollback.snapshot_step == fresh.counters.steps == 6  # the state as loaded is the snapshot
     opt.close()
     fresh.close()
 

@@ -370,7 +370,7 @@ def test_the_seeds_example_runs_as_written_in_a_plain_loop(tmp_path, monkeypatch
             loss.backward(); optimizer.step()  # noqa: E702
             optimizer.zero_grad()
     optimizer.close()
-    assert optimizer._eos.describe() == {"eos_method": "auto", "eos_method_resolved": "secant",
+    assert optimizer._features.eos.describe() == {"eos_method": "auto", "eos_method_resolved": "secant",
                                          "eos_power_iterations": "unused"}
     assert caplog.text.count("eos_method='auto' uses the secant estimate") == 1  # said once
     log = tmp_path / "sg_logs"
@@ -390,13 +390,13 @@ def test_auto_uses_the_power_method_with_a_probe_or_a_closure(tmp_path, caplog):
     with caplog.at_level("INFO", logger="stabilityguard"):
         probed = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, verbose=False,
                                   enable_edge_of_stability=True, eos_probe=lambda: (model(x) - y).pow(2).mean())
-    assert probed._eos.resolved_method == "power"  # known at construction
-    assert probed._eos.describe()["eos_power_iterations"] == 20
+    assert probed._features.eos.resolved_method == "power"  # known at construction
+    assert probed._features.eos.describe()["eos_power_iterations"] == 20
     assert "uses the power method on eos_probe" in caplog.text
     caplog.clear()
     opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=tmp_path, verbose=False,
                            enable_edge_of_stability=True, eos_check_interval=2)
-    assert opt._eos.resolved_method is None and opt._eos.describe()["eos_method_resolved"] is None
+    assert opt._features.eos.resolved_method is None and opt._features.eos.describe()["eos_method_resolved"] is None
 
     def closure():
         opt.zero_grad()
@@ -408,7 +408,7 @@ def test_auto_uses_the_power_method_with_a_probe_or_a_closure(tmp_path, caplog):
         for _ in range(5):
             opt.step(closure)
     opt.close()
-    assert opt._eos.resolved_method == "power"
+    assert opt._features.eos.resolved_method == "power"
     assert caplog.text.count("uses the power method on the step's closure") == 1
     checks = [(e["step"], e["method"]) for e in _events(tmp_path, "sharpness")]
     assert checks == [(0, "power"), (2, "power"), (4, "power")]

@@ -69,7 +69,7 @@ def test_needs_an_adam_type_optimizer():
 
 def test_thresholds_are_refreshed_every_n_steps(run_factory):
     run = run_factory(enable_helene=True, helene_refresh_steps=5)
-    clipper = run.opt._clipper
+    clipper = run.opt._features.clipper
     calls = []
     original = clipper._refresh
     clipper._refresh = lambda *a: (calls.append(run.opt.guard_step), original(*a))[1]

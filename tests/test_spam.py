@@ -115,8 +115,8 @@ def test_spam_state_round_trip(run_factory):
     fresh = GuardedOptimizer(torch.optim.AdamW(run.model.parameters(), lr=3e-3), run.model, log_dir=None,
                              verbose=False, enable_spam=True, spam_recovery_steps=50)
     fresh.load_state_dict(state)
-    assert fresh._spam.state_dict() == run.opt._spam.state_dict()
-    assert fresh._spam.factor == 0.5
+    assert fresh._features.spam.state_dict() == run.opt._features.spam.state_dict()
+    assert fresh._features.spam.factor == 0.5
 
 
 # ----------------------------------------------------------------------------- the warm-up after a reset
@@ -176,10 +176,10 @@ def test_first_update_after_a_reset_is_at_most_1_5x_the_pre_spike_median(opt_nam
     if opt_name == "AdamW":  # the jolt the warm-up removes: a fresh Adam moves every coordinate by ~lr
         _, _, raw = _spiky_run(opt_name, 42, spam_warmup_steps=0)
         assert _first_update_ratio(raw) > 2.0
-        factors = opt._spam.warmup_factors()
+        factors = opt._features.spam.warmup_factors()
         assert factors and all(w is not None and w < 1.0 for w in factors.values())
     else:  # a restarted momentum buffer holds one gradient: smaller than before, no scaling needed
-        assert opt._spam.last_first_update_ratio < 1.0 and not opt._spam.warming
+        assert opt._features.spam.last_first_update_ratio < 1.0 and not opt._features.spam.warming
 
 
 def test_warm_up_scales_only_the_reset_tensors_and_ramps_linearly():
@@ -195,7 +195,7 @@ def test_warm_up_scales_only_the_reset_tensors_and_ramps_linearly():
         else:  # the first step after the reset: identical gradients and state, untouched by the warm-up
             assert torch.equal(a, b), name
     index = {id(p): i for i, p in enumerate(warm_model.parameters())}
-    entries = warm._spam.warm
+    entries = warm._features.spam.warm
     assert sorted(entries) == sorted(index[i] for i in reset)
     for (name, (d_warm, d_raw)), p in zip(at_spike.items(), warm_model.blocks[1].mlp.proj.parameters()):
         ref, since, w0 = entries[index[id(p)]]
@@ -205,7 +205,7 @@ def test_warm_up_scales_only_the_reset_tensors_and_ramps_linearly():
         assert float(d_warm.pow(2).mean().sqrt()) == pytest.approx(ref, rel=1e-4)
     ramp = []
     for _ in range(3):  # since = 1, 2, 3 of 4 warm-up steps
-        ramp.append(warm._spam.warmup_factors())
+        ramp.append(warm._features.spam.warmup_factors())
         for e in entries.values():
             e[1] += 1
     for i, (_, _, w0) in entries.items():
@@ -218,7 +218,7 @@ def test_a_second_reset_elsewhere_gets_its_own_reference_and_schedule(run_factor
     run.train(43, faults={40: lambda m: scale_grad(a, 1000.0)})  # a warms up from step 41
     run.train(1, faults={43: lambda m: scale_grad(b, 1000.0)})  # b is reset while a is still warming
     index = {id(p): i for i, p in enumerate(run.model.parameters())}
-    warm = run.opt._spam.warm
+    warm = run.opt._features.spam.warm
     assert all(warm[index[id(p)]][1] == 2 for p in a.parameters())  # a's schedule goes on
     assert all(warm[index[id(p)]][1:] == [0, None] for p in b.parameters())
     before = {p: p.detach().clone() for p in b.parameters()}
@@ -236,12 +236,12 @@ def test_resume_mid_warm_up_equals_an_uninterrupted_run_bit_for_bit(stop, opt_na
     whole, opt, _ = _spiky_run(opt_name, 56)
     _, half, ckpt = _spiky_run(opt_name, 56, stop=stop)
     if opt_name == "AdamW":
-        factors = half._spam.warmup_factors()
+        factors = half._features.spam.warmup_factors()
         assert factors and all((w is None) == (stop == 41) for w in factors.values())
     resumed, again, _ = _spiky_run(opt_name, 56, state=ckpt)
     for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
-    assert again._spam.state_dict() == opt._spam.state_dict()
+    assert again._features.spam.state_dict() == opt._features.spam.state_dict()
 
 
 def test_warm_up_setting_is_validated_with_a_clear_message():
@@ -254,7 +254,7 @@ def test_warm_up_setting_is_validated_with_a_clear_message():
     model = torch.nn.Linear(2, 2)
     opt = GuardedOptimizer(torch.optim.AdamW(model.parameters()), model, log_dir=None, verbose=False,
                            enable_spam=True, spam_warmup_steps=np.int64(3))
-    assert opt._spam.warmup_steps == 3 and isinstance(opt._spam.warmup_steps, int)
+    assert opt._features.spam.warmup_steps == 3 and isinstance(opt._features.spam.warmup_steps, int)
     with pytest.raises(ConfigError, match="spam_warmup_steps must be an integer >= 0; got -2"):
         MomentumReset(torch.optim.AdamW(model.parameters()), lr_reduction=0.5, recovery_steps=10, warmup_steps=-2)
 
@@ -295,13 +295,13 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
             model.loss(*data.batch(8, 16)).backward()
             if step == 20:
                 scale_grad(model.blocks[1].mlp.proj, 1000.0)
-            before = {i: ps[i].to_local().detach().clone() for i in opt._spam.warm}
+            before = {i: ps[i].to_local().detach().clone() for i in opt._features.spam.warm}
             opt.step()
             opt.zero_grad()
             if step == 21:
                 for i, b in before.items():
                     rms = float((ps[i].to_local().detach() - b).pow(2).mean().sqrt())
-                    rows.append([i, rms, opt._spam.warm[i][0], opt._spam.warm[i][2]])
+                    rows.append([i, rms, opt._features.spam.warm[i][0], opt._features.spam.warm[i][2]])
         Path(out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "skipped": opt.counters.skipped,
                                                              "guard": opt.guard_state_dict()["spam"]}))
     finally:
@@ -342,7 +342,7 @@ def test_every_supported_optimizer_resets_and_warms_up(make):
         opt.step()
         opt.zero_grad()
         if step == 21 and base.defaults.get("momentum", 1) != 0:
-            assert opt._spam.last_first_update_ratio is not None  # measured against its reference
+            assert opt._features.spam.last_first_update_ratio is not None  # measured against its reference
     assert opt.counters.skipped == 1 and all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    assert not opt._spam.warming  # 5 warm-up steps are over
+    assert not opt._features.spam.warming  # 5 warm-up steps are over
     json.dumps(opt.guard_state_dict()["spam"])

@@ -1,0 +1,55 @@
+"""Checks of :class:`~stabilityguard.GuardedOptimizer`'s arguments, before anything is built.
+
+Each check raises :class:`~stabilityguard.errors.ConfigError` (``TypeError`` for an unknown setting, as
+Python does for an unknown keyword argument) with a message that names the argument, what is allowed and
+the value given. The settings themselves are checked by :class:`~stabilityguard.config.GuardConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .config import GuardConfig
+from .errors import ConfigError
+
+
+def check_arguments(base_opt: Any, model: Any, config: Optional[GuardConfig], settings: Dict[str, Any],
+                    sinks: Optional[Iterable[Any]], guard_type: type) -> Tuple[GuardConfig, List[Any]]:
+    """The config (``config``, or one made from the keyword ``settings``) and the extra sinks as a list.
+
+    Args:
+        base_opt: The optimizer to guard: a ``torch.optim.Optimizer``, not a ``guard_type`` and not LBFGS.
+        model: A ``torch.nn.Module`` or ``None``.
+        config: A :class:`GuardConfig` or ``None``.
+        settings: Keyword settings, each a :class:`GuardConfig` field (used when ``config`` is ``None``).
+        sinks: Objects with an ``emit(event)`` method, or ``None``.
+        guard_type: The guard's own class (a guard is not wrapped twice).
+    """
+    if isinstance(base_opt, guard_type):
+        raise ConfigError("base_opt is already a GuardedOptimizer; wrap the plain optimizer once")
+    if not isinstance(base_opt, torch.optim.Optimizer):
+        raise ConfigError(
+            f"base_opt must be a torch.optim.Optimizer (e.g. torch.optim.AdamW); got {type(base_opt).__name__}"
+        )
+    if isinstance(base_opt, torch.optim.LBFGS):
+        raise ConfigError("base_opt must be a single-evaluation optimizer (SGD, Adam, AdamW, ...); got LBFGS, "
+                          "whose step() re-evaluates the closure many times, which the guard cannot check")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
+    unknown = sorted(set(settings) - set(GuardConfig.field_names()))
+    if unknown:
+        raise TypeError(f"GuardedOptimizer() got an unexpected keyword argument {unknown[0]!r}; the settings "
+                        f"are the GuardConfig fields: {', '.join(GuardConfig.field_names())}")
+    if config is None:
+        config = GuardConfig(**settings)
+    elif not isinstance(config, GuardConfig):
+        raise ConfigError(f"config must be a GuardConfig or None; got {type(config).__name__}")
+    extra = list(sinks) if sinks is not None else []
+    for s in extra:
+        if not callable(getattr(s, "emit", None)):
+            raise ConfigError(
+                f"sinks must be objects with an emit(event) method (see stabilityguard.sinks.Sink); got {s!r}"
+            )
+    return config, extra
