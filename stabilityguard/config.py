@@ -82,6 +82,23 @@ class GuardConfig:
     its baseline (> 1). At or above ``spike_threshold`` no layer is ever scaled back (it is refused
     first); the global-norm and loss rules still apply."""
 
+    instability_clip: Optional[float] = 1.0
+    """While the loss is in an instability (a sustained rise, see ``instability_z``), the global gradient
+    norm is capped at this many times its baseline, and the baseline is held: it may not grow with the
+    instability (> 0; ``None``: off). Needs the loss (``step(loss=...)``); only with ``graded_response``.
+    Measured on natural instabilities in ``bench/protection.py`` (README, "Protection")."""
+
+    instability_z: float = 3.0
+    """How far the loss's fast EMA must rise above its recent level, in units of the loss's own
+    step-to-step noise, to begin an instability (> 0)."""
+
+    spike_jump: Optional[float] = 4.0
+    """A critical spike must be sudden: besides a ratio over ``spike_threshold``, the layer's norm must be
+    over this many times its norm at the last accepted step (>= 1). A layer that grew past
+    ``spike_threshold`` gradually is scaled back (the graded response) rather than refused. ``None``:
+    every ratio over ``spike_threshold`` is refused; only with ``graded_response``."""
+
+
     loss_z_threshold: Optional[float] = 6.0
     """Robust z-score (median/MAD over ``loss_window`` accepted losses) above which the loss handed to
     ``step(loss=...)`` is an outlier; the step's gradients are scaled by ``loss_z_threshold / z``.
@@ -230,6 +247,11 @@ class GuardConfig:
         if not isinstance(self.graded_response, bool):
             raise ConfigError(f"graded_response must be True or False; got {self.graded_response!r}")
         _check_number("outlier_ratio", self.outlier_ratio, low=1.0, low_inclusive=False)
+        if self.instability_clip is not None:
+            _check_number("instability_clip", self.instability_clip, low=0.0, low_inclusive=False)
+        _check_number("instability_z", self.instability_z, low=0.0, low_inclusive=False)
+        if self.spike_jump is not None:
+            _check_number("spike_jump", self.spike_jump, low=1.0)
         if self.loss_z_threshold is not None:
             _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False)
         _check_int("loss_window", self.loss_window, low=20)

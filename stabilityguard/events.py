@@ -239,7 +239,7 @@ class ActionTaken(GuardEvent):
         momentum_reset: With ``enable_spam``: how many tensors had their optimizer state reset (schema 1.1).
         lr_factor: With ``enable_spam``: the LR multiplier now in force, recovering to 1 (schema 1.1).
         clipped_layers: For ``clip`` (schema 1.5): each scaled layer with its factor (< 1).
-        clip_reasons: For ``clip``: what was an outlier, any of ``layer``, ``global``, ``loss``.
+        clip_reasons: For ``clip``: what was an outlier, any of ``layer``, ``global``, ``instability``, ``loss``.
         loss_z: For ``clip``: the loss's robust z-score against its window (``null`` if unknown).
     """
 

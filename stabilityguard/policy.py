@@ -15,6 +15,22 @@ The graded response (the seed's severity scale, 1-2 normal, 2-5 moderate, 5-10 s
   over the gradients: the factors come from the norms already measured.
 * **normal**: the step is taken unchanged.
 
+Natural instabilities (an LR too high, a jump of the LR, attention logits that grow) rarely look like a
+fault: several layers rise a few times over some steps and the loss climbs. Two rules are for them:
+
+* **a critical spike is sudden** (``spike_jump``): a layer over ``spike_threshold`` is refused only if its
+  norm is also over ``spike_jump`` times its norm at the last accepted step. A layer that grew past the
+  threshold gradually (early training, a drift) is an outlier: taken and scaled back. Faults jump (a bit
+  flip, a bad batch: x50 to x1e4 from one step to the next); a gradient that grows over several steps is
+  the model's, and refusing it would also refuse the gradient that corrects it.
+* **the global norm is held during a loss instability** (``instability_clip``): :class:`LossTrend` says
+  when the loss has risen, in a sustained way, above its recent level. From then until the loss is back
+  (or ``loss_window`` steps have passed), the global norm is capped at ``instability_clip`` times its
+  baseline and the baseline may not grow (it is fed the capped norm). Adam divides by the root of its
+  second moment: a gradient that grows with the instability would enlarge its own updates and feed
+  that moment for hundreds of steps; held at the pre-instability scale it does neither (the idea of
+  AdaGC and ZClip, applied only while the loss says something is wrong, so clean runs are untouched).
+
 What enters the baselines: every accepted step, clipped or not, feeds its measured (pre-clip) norms
 into the EMAs; refused steps feed nothing, so a critical spike never enters its own baseline. This was
 decided by measurement (``bench/protection.py``): feeding a scaled-back layer's clipped norm, or 1.5x
@@ -61,7 +77,7 @@ class Verdict:
         kind: ``"accept"``, ``"clip"`` (taken, scaled back) or ``"refuse"`` (a critical spike).
         decision: The spike detector's decision (ratios, trigger, level shifts).
         factors: With ``kind == "clip"``: one factor (<= 1) per layer; ``None`` otherwise.
-        reasons: Why the step was clipped: any of ``"layer"``, ``"global"``, ``"loss"``.
+        reasons: Why the step was clipped: any of ``"layer"``, ``"global"``, ``"instability"``, ``"loss"``.
         global_ratio: Global norm / its baseline (NaN before warm-up).
         loss_z: Robust z-score of the loss against its window (``None`` without a loss or a full window).
         consistent_shift: Layers whose level shift was accepted early because their run was consistent.
@@ -164,6 +180,88 @@ class LossMonitor:
             self._refresh()
 
 
+class LossTrend:
+    """Is the run in a loss instability? The loss's fast EMA against a reference level, in units of the
+    loss's own step-to-step noise (an EMA of its absolute deviation from the fast EMA).
+
+    The reference follows the fast EMA down at once and up only slowly, so a falling loss never looks
+    like a rise. An instability begins when the fast EMA is more than ``enter_z`` noise units above the
+    reference (a sustained rise: one outlier is winsorised at 6 noise units and moves the fast EMA by
+    1.2 units at most); it ends when the fast EMA is back within ``exit_z`` units of the level it began
+    from, or after ``max_steps`` steps (the higher loss is then a new level). Losses of refused steps
+    count too: they describe the model as it is.
+
+    Args:
+        enter_z: Noise units of rise that begin an instability.
+        exit_z: Noise units above the old level under which it ends.
+        fast: EMA factor of the fast loss.
+        slow: EMA factor of the noise and of the reference's rise.
+        min_count: Losses before an instability can begin.
+        max_steps: Longest instability.
+
+    Example:
+        >>> t = LossTrend()
+        >>> for i in range(60):
+        ...     t.add(2.0 - 0.01 * i + 0.05 * (-1) ** i)
+        >>> t.unstable
+        False
+        >>> for i in range(6):
+        ...     t.add(3.0)
+        >>> t.unstable
+        True
+    """
+
+    def __init__(self, *, enter_z: float = 3.0, exit_z: float = 1.0, fast: float = 0.2, slow: float = 0.02,
+                 min_count: int = 20, max_steps: int = 128) -> None:
+        self.enter_z, self.exit_z, self.fast_a, self.slow_a = enter_z, exit_z, fast, slow
+        self.min_count, self.max_steps = min_count, max_steps
+        self.count = 0
+        self.fast = self.slow = self.noise = 0.0
+        self.unstable = False
+        self.ref = 0.0  # the slow level when the instability began
+        self.since = 0
+
+    def add(self, loss: float) -> None:
+        """Add one finite loss and update :attr:`unstable`."""
+        if self.count == 0:
+            self.fast = self.slow = loss
+        if self.count >= self.min_count and self.noise > 0:
+            loss = min(loss, self.fast + 6.0 * self.noise)  # one bad batch moves the EMAs little
+        dev = abs(loss - self.fast)
+        self.fast += self.fast_a * (loss - self.fast)
+        self.count += 1
+        if self.unstable:
+            self.since += 1
+            if (self.fast - self.ref) < self.exit_z * self.noise or self.since > self.max_steps:
+                self.unstable = False
+                self.slow = self.fast
+            return
+        self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
+        # the reference follows the fast EMA down at once and up slowly (a falling loss is no lag)
+        self.slow = min(self.fast, self.slow + self.slow_a * (self.fast - self.slow))
+        if self.count >= self.min_count and self.fast - self.slow > self.enter_z * self.noise:
+            self.unstable, self.ref, self.since = True, self.slow, 0
+
+    def tick(self) -> None:
+        """A step without a loss: an instability still ends after ``max_steps`` steps."""
+        if self.unstable:
+            self.since += 1
+            if self.since > self.max_steps:
+                self.unstable = False
+                self.slow = self.fast
+
+    _FIELDS = ("count", "fast", "slow", "noise", "unstable", "ref", "since")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in self._FIELDS}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for k in self._FIELDS:
+            if k in state:
+                v = state[k]
+                setattr(self, k, bool(v) if k == "unstable" else (int(v) if k in ("count", "since") else float(v)))
+
+
 class GuardPolicy:
     """Spike detection plus the graded response, over floats (see the module docstring).
 
@@ -181,6 +279,9 @@ class GuardPolicy:
         loss_window: Accepted losses in the loss window.
         level_shift_steps: Consistent consecutive spikes after which a layer's new level is accepted.
         level_shift_spread: Largest / smallest ratio of a run that still counts as consistent.
+        instability_clip: Global-norm cap (x its held baseline) during a loss instability (``None``: off).
+        instability_z: Rise of the loss, in noise units, that begins an instability.
+        spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
     """
 
     def __init__(
@@ -199,7 +300,16 @@ class GuardPolicy:
         loss_window: int = 128,
         level_shift_steps: int = 6,
         level_shift_spread: float = 2.0,
+        instability_clip: Optional[float] = 1.0,
+        instability_z: float = 3.0,
+        spike_jump: Optional[float] = 4.0,
     ) -> None:
+        self.spike_jump = float(spike_jump) if (graded and spike_jump is not None) else None
+        self.last: Optional[List[float]] = None  # the last accepted step's layer norms (for spike_jump)
+        self.instability_clip = float(instability_clip) if instability_clip is not None else None
+        self.trend: Optional[LossTrend] = None
+        if graded and instability_clip is not None:
+            self.trend = LossTrend(enter_z=instability_z, max_steps=loss_window)
         self.detector = SpikeDetector(names, n_layers, group, threshold=spike_threshold, alpha=ema_alpha,
                                       warmup_steps=warmup_steps, patience=level_shift_patience)
         self.n_layers = int(n_layers)
@@ -218,6 +328,9 @@ class GuardPolicy:
         #: Per layer, the ratios of its current run of consecutive critical spikes.
         self.runs: List[List[float]] = [[] for _ in range(self.n_layers)]
         self._open_runs = False
+        #: Per layer, the ratios of its current run of consecutive scaled-back (outlier) steps.
+        self.outlier_runs: List[List[float]] = [[] for _ in range(self.n_layers)]
+        self._open_outlier_runs = False
 
     @classmethod
     def from_config(cls, names: Sequence[str], n_layers: int, group: Sequence[int], cfg: Any) -> "GuardPolicy":
@@ -226,7 +339,14 @@ class GuardPolicy:
                    warmup_steps=cfg.warmup_steps, level_shift_patience=cfg.level_shift_patience,
                    graded=cfg.graded_response, outlier_ratio=cfg.outlier_ratio,
                    loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
-                   level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread)
+                   level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread,
+                   instability_clip=cfg.instability_clip, instability_z=cfg.instability_z,
+                   spike_jump=cfg.spike_jump)
+
+    @property
+    def unstable(self) -> bool:
+        """True while the loss is in an instability (the global norm is then held, see the module doc)."""
+        return self.trend is not None and self.trend.unstable
 
     # ------------------------------------------------------------------ deciding
     def decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
@@ -237,6 +357,11 @@ class GuardPolicy:
         early = self._consistent_shifts(decision)
         if early:
             decision = _accept_shifts(decision, early)
+        if not decision.accepted and self.spike_jump is not None and self.last is not None:
+            last, jump, mask = self.last, self.spike_jump, decision.spike_mask
+            gradual = [i for i, m in enumerate(mask) if m and last[i] > 0 and values[i] < jump * last[i]]
+            if gradual:
+                decision = _unspike(decision, gradual)
         z = self.loss.zscore(loss) if self.loss is not None else None
         if not decision.accepted:
             return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early)
@@ -247,6 +372,10 @@ class GuardPolicy:
         factors: Optional[List[float]] = None
         reasons: List[str] = []
         if decision.max_ratio > lim:  # False for NaN (nothing warmed up)
+            settled = self._settled_outliers(decision)
+            if settled:  # a consistent run of outliers is a new level too
+                decision = _mark_shifts(decision, settled)
+                early = list(early) + settled
             shifted = decision.level_shift or ()
             factors = [lim / r if r > lim and not (shifted and shifted[i]) else 1.0
                        for i, r in enumerate(decision.ratios)]
@@ -254,10 +383,13 @@ class GuardPolicy:
                 reasons.append("layer")
             else:
                 factors = None
-        if gr > lim and decision.level_shift is None:  # a layer's new level moves the total too
-            g = lim / gr
+        unstable = self.unstable
+        cap = self.instability_clip if unstable else lim
+        # a layer's new level moves the total too (unless the loss says the run is unstable)
+        if gr > cap and (decision.level_shift is None or unstable):
+            g = cap / gr
             factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
-            reasons.append("global")
+            reasons.append("instability" if unstable else "global")
         if z is not None and self.loss is not None and z > self.loss.z_threshold:
             g = self.loss.z_threshold / z
             factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
@@ -279,6 +411,22 @@ class GuardPolicy:
                     out.append(i)
         return out
 
+    def _settled_outliers(self, decision: Decision) -> List[int]:
+        """Outlier layers (over ``outlier_ratio``, not spiking) whose run of consecutive scaled-back steps,
+        with this one, is ``level_shift_steps`` long and consistent, while the loss is not in an
+        instability: a new level, accepted like a consistent run of spikes, so a moderate shift is not
+        scaled back for the ~100 steps the EMA would take to follow it."""
+        if (not self._open_outlier_runs and self.level_shift_steps > 1) or self.unstable:
+            return []  # while the loss is unstable, a run of outliers is the instability, not a new level
+        lim, need, mask = self.outlier_ratio, self.level_shift_steps, decision.spike_mask
+        out = []
+        for i, r in enumerate(decision.ratios):
+            if r > lim and not (mask is not None and mask[i]) and len(self.outlier_runs[i]) + 1 >= need:
+                run = self.outlier_runs[i][-(need - 1):] + [r]
+                if max(run) <= self.level_shift_spread * min(run):
+                    out.append(i)
+        return out
+
     # ------------------------------------------------------------------ committing
     def commit(self, verdict: Verdict, values: Sequence[float], present: Optional[Sequence[bool]],
                loss: Optional[float], global_norm: Optional[float] = None) -> List[float]:
@@ -293,22 +441,51 @@ class GuardPolicy:
                 elif self.runs[i] and (present is None or present[i]):
                     self.runs[i] = []
             self._open_runs = any(self.runs)
+        if verdict.kind == CLIP and "layer" in verdict.reasons:
+            lim, shifted = self.outlier_ratio, decision.level_shift
+            for i, r in enumerate(decision.ratios[: self.n_layers]):
+                if r > lim and not (shifted is not None and shifted[i]):
+                    self.outlier_runs[i].append(r)
+                elif self.outlier_runs[i] and (present is None or present[i]):
+                    self.outlier_runs[i] = []
+            self._open_outlier_runs = any(self.outlier_runs)
+        elif self._open_outlier_runs and verdict.accepted:
+            for i in range(self.n_layers):
+                if self.outlier_runs[i] and (present is None or present[i]):
+                    self.outlier_runs[i] = []
+            self._open_outlier_runs = any(self.outlier_runs)
         if decision.level_shift is not None:
             for i, s in enumerate(decision.level_shift):
                 if s:
                     self.runs[i] = []
+                    self.outlier_runs[i] = []
             self._open_runs = any(self.runs)
+            self._open_outlier_runs = any(self.outlier_runs)
         det.commit(decision, values, present)
+        if verdict.accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
+            n = self.n_layers
+            if present is None or self.last is None:
+                self.last = list(values[:n])
+            else:
+                self.last = [values[i] if present[i] else self.last[i] for i in range(n)]
         if verdict.accepted:
             gn = global_norm if global_norm is not None else math.sqrt(sum(v * v for v in values[: self.n_layers]))
             if gn > 0 and math.isfinite(gn):
-                if decision.level_shift is not None:
-                    self.global_ema = max(self.global_ema, gn)  # the new level of a layer moves the total too
                 c = self.global_count
-                self.global_ema += max(self.alpha, 1.0 / (c + 1)) * (gn - self.global_ema)
+                feed = gn
+                if self.unstable:  # the baseline is held: it may not grow with the instability
+                    feed = min(gn, self.instability_clip * self.global_ema)
+                elif decision.level_shift is not None:
+                    self.global_ema = max(self.global_ema, gn)  # the new level of a layer moves the total too
+                self.global_ema += max(self.alpha, 1.0 / (c + 1)) * (feed - self.global_ema)
                 self.global_count = min(c + 1, 1_000_000)
             if self.loss is not None:
                 self.loss.add(loss, outlier=verdict.loss_z is not None and verdict.loss_z > self.loss.z_threshold)
+        if self.trend is not None:
+            if loss is not None and math.isfinite(loss):
+                self.trend.add(loss)
+            else:
+                self.trend.tick()
         return before
 
     # ------------------------------------------------------------------ state
@@ -321,6 +498,9 @@ class GuardPolicy:
             "global_count": self.global_count,
             "loss": self.loss.state_dict() if self.loss is not None else None,
             "runs": {names[i]: list(r) for i, r in enumerate(self.runs) if r},
+            "outlier_runs": {names[i]: list(r) for i, r in enumerate(self.outlier_runs) if r},
+            "trend": self.trend.state_dict() if self.trend is not None else None,
+            "last": None if self.last is None else {names[i]: v for i, v in enumerate(self.last)},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -337,6 +517,14 @@ class GuardPolicy:
         names = self.detector.names
         self.runs = [list(map(float, runs.get(names[i], []))) for i in range(self.n_layers)]
         self._open_runs = any(self.runs)
+        oruns = state.get("outlier_runs") or {}
+        self.outlier_runs = [list(map(float, oruns.get(names[i], []))) for i in range(self.n_layers)]
+        self._open_outlier_runs = any(self.outlier_runs)
+        if self.trend is not None and state.get("trend"):
+            self.trend.load_state_dict(state["trend"])
+        last = state.get("last")
+        if self.spike_jump is not None and last:  # a layer not in the checkpoint has no previous norm yet
+            self.last = [float(last.get(names[i], 0.0)) for i in range(self.n_layers)]
 
 
 def _accept_shifts(decision: Decision, layers: List[int]) -> Decision:
@@ -349,4 +537,25 @@ def _accept_shifts(decision: Decision, layers: List[int]) -> Decision:
     live = [i for i, s in enumerate(spike) if s]
     trigger = max(live, key=decision.ratios.__getitem__) if live else -1
     return Decision(decision.ratios, spike if live else None, shift, trigger, decision.max_index,
+                    decision.max_ratio)
+
+
+def _unspike(decision: Decision, layers: List[int]) -> Decision:
+    """The decision with ``layers`` no longer spiking (their rise was gradual, not a sudden jump)."""
+    assert decision.spike_mask is not None
+    spike = list(decision.spike_mask)
+    for i in layers:
+        spike[i] = False
+    live = [i for i, s in enumerate(spike) if s]
+    trigger = max(live, key=decision.ratios.__getitem__) if live else -1
+    return Decision(decision.ratios, spike if live else None, decision.level_shift, trigger, decision.max_index,
+                    decision.max_ratio)
+
+
+def _mark_shifts(decision: Decision, layers: List[int]) -> Decision:
+    """The decision with ``layers`` (not spiking) marked as accepted level shifts."""
+    shift = list(decision.level_shift) if decision.level_shift is not None else [False] * len(decision.ratios)
+    for i in layers:
+        shift[i] = True
+    return Decision(decision.ratios, decision.spike_mask, shift, decision.trigger, decision.max_index,
                     decision.max_ratio)

@@ -329,3 +329,31 @@ def test_buffers_belong_to_the_optimizer_of_the_branch_that_holds_them():
     d_names = [n for n, _ in owned_buffers(model, list(disc.parameters()))]
     assert g_names == ["gen.1.running_mean", "gen.1.running_var", "gen.1.num_batches_tracked"]
     assert d_names == ["disc.1.running_mean", "disc.1.running_var", "disc.1.num_batches_tracked"]
+
+
+def test_add_param_group_during_a_loss_instability_keeps_it_and_the_last_norms():
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 6), nn.Linear(6, 1)
+    model = nn.Sequential(a, nn.Tanh(), b)
+    opt = GuardedOptimizer(torch.optim.AdamW(a.parameters(), lr=1e-3), model, log_dir=None, verbose=False,
+                           warmup_steps=5)
+
+    def train(n, factor=1.0):
+        for _ in range(n):
+            loss = model(torch.randn(16, 6)).pow(2).mean() * factor
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+
+    train(40)
+    train(8, factor=20.0)  # the loss (and the gradients) x20, sustained: an instability
+    assert opt._policy.unstable
+    held = opt._policy.global_ema
+    last_a = opt._policy.last[0]
+    opt.add_param_group({"params": list(b.parameters())})
+    pol = opt._policy
+    assert pol.unstable and pol.global_ema == held and pol.last[0] == last_a
+    assert pol.last[-1] == 0.0  # the new layer has no previous norm yet: a spike of it is not "gradual"
+    train(3, factor=20.0)  # keeps working with the new layer (its own warm-up)
+    assert opt.counters.accepted + opt.counters.skipped == opt.counters.steps
+    opt.close()

@@ -131,12 +131,31 @@ def test_flight_recorder_size_is_validated(size):
                                      ({"loss_z_threshold": -1}, "loss_z_threshold"), ({"loss_window": 5}, "loss_window"),
                                      ({"level_shift_steps": 0}, "level_shift_steps"),
                                      ({"level_shift_spread": 0.5}, "level_shift_spread"),
-                                     ({"graded_response": "yes"}, "graded_response")])
+                                     ({"graded_response": "yes"}, "graded_response"),
+                                     ({"instability_clip": 0.0}, "instability_clip"),
+                                     ({"instability_clip": "1"}, "instability_clip"),
+                                     ({"instability_clip": float("nan")}, "instability_clip"),
+                                     ({"instability_z": None}, "instability_z"),
+                                     ({"instability_z": -2}, "instability_z"),
+                                     ({"spike_jump": 0.5}, "spike_jump"), ({"spike_jump": True}, "spike_jump")])
 def test_graded_settings_are_validated(kw, name):
     from stabilityguard import ConfigError
 
     with pytest.raises(ConfigError, match=name):
         GuardedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), log_dir=None, **kw)
+
+
+def test_instability_settings_take_numpy_and_tensor_scalars_and_none():
+    import numpy as np
+
+    from stabilityguard import GuardConfig
+
+    cfg = GuardConfig(instability_clip=np.float32(1.5), instability_z=torch.tensor(2.0), spike_jump=np.int64(6),
+                      verbose=False)
+    assert (cfg.instability_clip, cfg.instability_z, cfg.spike_jump) == (1.5, 2.0, 6)
+    assert all(type(v) in (int, float) for v in (cfg.instability_clip, cfg.instability_z, cfg.spike_jump))
+    off = GuardConfig(instability_clip=None, spike_jump=None, verbose=False)
+    assert off.instability_clip is None and off.spike_jump is None
 
 
 @pytest.mark.parametrize("unused_layer", [False, True])  # True: a parameter without grad (general path)

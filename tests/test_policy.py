@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from stabilityguard.policy import ACCEPT, CLIP, REFUSE, GuardPolicy, LossMonitor
+from stabilityguard.policy import ACCEPT, CLIP, REFUSE, GuardPolicy, LossMonitor, LossTrend
 
 
 def make(**kw):
@@ -64,8 +64,9 @@ def test_baselines_follow_accepted_norms_but_never_a_refused_spike():
     pol = make(ema_alpha=0.01, outlier_ratio=3.0)
     warm(pol, 200)
     base = pol.detector.ema[0]
-    for _ in range(20):  # an instability: layer a at 8x for 20 steps (taken, scaled back)
-        assert feed(pol, [8.0 * base, 1.0]).kind == CLIP
+    for i in range(20):  # an instability: layer a at 8x for 20 steps as the loss climbs (taken, scaled back)
+        assert feed(pol, [8.0 * base, 1.0], loss=1.0 + 0.5 * i).kind == CLIP
+    assert pol.unstable
     grown = pol.detector.ema[0] / base
     assert grown == pytest.approx(1.0 + 7.0 * (1.0 - 0.99 ** 20), rel=1e-6)  # the EMA of the raw norms
     before = pol.detector.ema[0]
@@ -150,3 +151,147 @@ def test_loss_window_smaller_than_warmup_still_gives_a_signal():
     for i in range(80):
         feed(pol, [1.0], loss=1.0 + 0.01 * (i % 3))
     assert pol.loss.zscore(5.0) is not None
+
+
+# ---------------------------------------------------------------- natural instabilities (issue 11, part 2)
+
+
+def _noisy(rng, level, n, noise=0.05):
+    return [level + noise * (rng.random() - 0.5) for _ in range(n)]
+
+
+def test_a_falling_loss_is_no_instability_and_a_sustained_rise_is():
+    rng = random.Random(0)
+    t = LossTrend()
+    for i in range(200):  # falls fast, then slowly: never an instability
+        t.add(3.0 * math.exp(-i / 30) + 0.5 + 0.05 * (rng.random() - 0.5))
+        assert not t.unstable
+    for x in _noisy(rng, 0.9, 10):  # the loss rises and stays up
+        t.add(x)
+    assert t.unstable
+
+
+def test_one_bad_batch_or_noise_never_begins_an_instability():
+    rng = random.Random(1)
+    t = LossTrend()
+    for x in _noisy(rng, 1.0, 100, noise=0.3):
+        t.add(x)
+        assert not t.unstable
+    t.add(1e4)  # a bad batch: winsorised
+    assert not t.unstable
+    for x in _noisy(rng, 1.0, 50, noise=0.3):
+        t.add(x)
+        assert not t.unstable
+
+
+def test_an_instability_ends_when_the_loss_is_back_or_after_max_steps():
+    rng = random.Random(2)
+    t = LossTrend(max_steps=40)
+    for x in _noisy(rng, 1.0, 60) + _noisy(rng, 2.0, 8):
+        t.add(x)
+    assert t.unstable
+    for x in _noisy(rng, 1.0, 30):  # recovered
+        t.add(x)
+    assert not t.unstable
+    for x in _noisy(rng, 2.0, 8):
+        t.add(x)
+    assert t.unstable
+    n = 0
+    while t.unstable:  # a new, higher level: accepted after max_steps
+        t.add(2.0 + 0.05 * (rng.random() - 0.5))
+        n += 1
+    assert 30 < n <= 41
+    state = json.loads(json.dumps(t.state_dict(), allow_nan=False))
+    u = LossTrend(max_steps=40)
+    u.load_state_dict(state)
+    assert u.state_dict() == t.state_dict()
+
+
+def _grow(pol, rng, loss, factor, steps):
+    kinds, reasons = [], []
+    for _ in range(steps):
+        vals = [factor * (1.0 + 0.05 * rng.random()), factor * (1.0 + 0.05 * rng.random())]
+        v = feed(pol, vals, loss=loss + 0.01 * rng.random())
+        kinds.append(v.kind)
+        reasons.append(v.reasons)
+    return kinds, reasons
+
+
+def test_during_an_instability_the_global_norm_is_held_at_its_baseline():
+    rng = random.Random(3)
+    held, free = make(ema_alpha=0.05), make(ema_alpha=0.05, instability_clip=None)
+    for pol in (held, free):
+        warm(pol, 60, rng=random.Random(0))
+    before = held.global_ema
+    for pol in (held, free):  # the loss rises and the norms grow 2x together: an LR too high
+        kinds, reasons = _grow(pol, random.Random(3), loss=3.0, factor=2.0, steps=30)
+    assert held.unstable
+    # held: it followed the new norms only for the few steps the rise took to be recognised
+    assert held.global_ema < 1.2 * before
+    assert free.global_ema > 1.7 * before  # without the cap it follows the new norms (78% of the gap)
+    v = held.decide([2.0, 2.0], None, math.sqrt(8), 3.0)
+    assert v.kind == CLIP and "instability" in v.reasons
+    assert v.factors[0] == pytest.approx(held.global_ema / math.sqrt(8))  # back to 1.0 x the held baseline
+    assert free.decide([2.0, 2.0], None, math.sqrt(8), 3.0).kind == ACCEPT
+    for _ in range(40):  # the loss recovers: the instability ends and the baseline follows again
+        feed(held, [1.0, 1.0], loss=1.0 + 0.01 * rng.random())
+    assert not held.unstable
+
+
+def test_without_a_loss_there_is_no_instability_mode():
+    pol = make()
+    warm(pol, 60)
+    for _ in range(30):
+        v = feed(pol, [2.0, 2.0])
+    assert not pol.unstable and v.kind == ACCEPT
+
+
+def test_gradual_growth_past_spike_threshold_is_scaled_back_and_a_jump_refused():
+    rng = random.Random(4)
+    pol = make(ema_alpha=0.01)
+    warm(pol, 60)
+    kinds, x = [], 1.0
+    while x < 40:  # x1.5 per step: past 10x its baseline, but never a sudden jump
+        x *= 1.5
+        kinds.append(feed(pol, [x, 1.0 + 0.05 * rng.random()]).kind)
+    assert REFUSE not in kinds and CLIP in kinds
+    sudden = make(ema_alpha=0.01)
+    warm(sudden, 60)
+    assert feed(sudden, [50.0, 1.0]).kind == REFUSE  # x50 from one step to the next
+    seed = make(ema_alpha=0.01, spike_jump=None)  # every ratio over the threshold refused, as in the seed
+    warm(seed, 60)
+    kinds, x = [], 1.0
+    while x < 40:
+        x *= 1.5
+        kinds.append(feed(seed, [x, 1.0]).kind)
+    assert REFUSE in kinds
+
+
+def test_the_instability_state_and_last_norms_round_trip():
+    pol = make(ema_alpha=0.05)
+    warm(pol, 60)
+    _grow(pol, random.Random(5), loss=3.0, factor=2.0, steps=10)
+    assert pol.unstable
+    state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
+    other = make(ema_alpha=0.05)
+    other.load_state_dict(state)
+    assert other.unstable and other.last == pol.last and other.global_ema == pol.global_ema
+    for vals, loss in (([2.0, 2.0], 3.0), ([9.0, 1.0], 3.0), ([60.0, 1.0], 1.0)):
+        a, b = pol.decide(vals, None, 3.0, loss), other.decide(vals, None, 3.0, loss)
+        assert (a.kind, a.factors, a.reasons) == (b.kind, b.factors, b.reasons)
+        pol.commit(a, vals, None, loss, 3.0)
+        other.commit(b, vals, None, loss, 3.0)
+    assert pol.state_dict() == other.state_dict()
+
+
+def test_a_consistent_moderate_shift_with_a_calm_loss_is_a_new_level_within_10_steps():
+    pol = make(ema_alpha=0.01, level_shift_steps=6)
+    warm(pol, 200)
+    base = pol.detector.ema[0]
+    rng = random.Random(6)
+    kinds = [feed(pol, [6.0 * base * (1 + 0.1 * rng.random()), 1.0], loss=1.0 + 0.01 * rng.random()).kind
+             for _ in range(12)]  # x6: an outlier, not a spike; the loss does not move
+    assert kinds[:5] == [CLIP] * 5 and all(k == ACCEPT for k in kinds[5:])
+    assert pol.detector.ema[0] > 5.0 * base  # the baseline was reset to the new level
+    state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
+    assert "outlier_runs" in state

@@ -30,11 +30,17 @@ CONFIGS = {
     "calibration": {"enable_auto_calibration": True, "auto_calibration_warmup_steps": 12},
     "helene": {"enable_helene": True, "helene_refresh_steps": 4},
     "clip": {"clip_grad_norm": 0.5},
+    "instability": {},  # the default guard through a sustained loss rise that spans the cut (RISE)
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
     "everything": {"nan_action": "rollback", "rollback_interval": 5, "enable_spam": True,
                    "enable_auto_calibration": True, "auto_calibration_warmup_steps": 12, "enable_helene": True,
                    "clip_grad_norm": 1.0, "enable_edge_of_stability": True, "eos_method": "secant"},
 }
+
+
+#: Steps whose loss (and so gradients) is x3: a sustained rise the loss trend calls an instability, under way
+#: at the checkpoint (config "instability" only).
+RISE = range(22, 42)
 
 
 def _batches():
@@ -49,10 +55,12 @@ def _build(cfg):
     return model, opt
 
 
-def _train(model, opt, batches, start, stop):
+def _train(model, opt, batches, start, stop, rise=False):
     for step in range(start, stop):
         x, y = batches[step]
         loss = model.loss(x, y)
+        if rise and step in RISE:
+            loss = loss * 3.0
         if step == 50:
             loss = loss * 40.0  # a loss outlier with ordinary-looking norms at most x40
         loss.backward()
@@ -66,14 +74,16 @@ def _train(model, opt, batches, start, stop):
 def test_resumed_run_equals_uninterrupted_bit_for_bit(name):
     cfg = CONFIGS[name]
     batches = _batches()
+    rise = name == "instability"
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, STEPS)
+    _train(model, opt, batches, 0, STEPS, rise)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_counters = opt.counters
     opt.close()
 
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, CUT)
+    _train(model, opt, batches, 0, CUT, rise)
+    assert opt._policy.unstable == rise  # the instability is under way at the checkpoint
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     opt.close()
@@ -82,7 +92,7 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name):
     model, opt = _build(cfg)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    _train(model, opt, batches, CUT, STEPS)
+    _train(model, opt, batches, CUT, STEPS, rise)
     for k, v in model.state_dict().items():  # bit for bit (NaN where monitor mode let a NaN step through)
         torch.testing.assert_close(v, ref[k], rtol=0, atol=0, equal_nan=True, msg=f"{name}: {k} differs after resume")
     assert opt.counters == ref_counters
