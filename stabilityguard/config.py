@@ -84,8 +84,8 @@ class GuardConfig:
 
     instability_clip: Optional[float] = 1.0
     """While the loss is in an instability (a sustained rise, see ``instability_z``), the global gradient
-    norm is capped at this many times its baseline, and the baseline is held: it may not grow with the
-    instability (> 0; ``None``: off). Needs the loss (``step(loss=...)``); only with ``graded_response``.
+    norm is capped at this many times its baseline (never looser than ``outlier_ratio``), and the baseline
+    is held: it may follow the norm down, not up (> 0; ``None``: off). Needs the loss (``step(loss=...)``); only with ``graded_response``.
     Measured on natural instabilities in ``bench/protection.py`` (README, "Protection")."""
 
     instability_z: float = 3.0
@@ -95,8 +95,9 @@ class GuardConfig:
     spike_jump: Optional[float] = 4.0
     """A critical spike must be sudden: besides a ratio over ``spike_threshold``, the layer's norm must be
     over this many times its norm at the last accepted step (>= 1). A layer that grew past
-    ``spike_threshold`` gradually is scaled back (the graded response) rather than refused. ``None``:
-    every ratio over ``spike_threshold`` is refused; only with ``graded_response``."""
+    ``spike_threshold`` gradually is scaled back (the graded response) rather than refused, up to
+    ``spike_jump x spike_threshold``, where it is refused however it got there. ``None``: every ratio
+    over ``spike_threshold`` is refused; only with ``graded_response``."""
 
 
     loss_z_threshold: Optional[float] = 6.0

@@ -19,17 +19,23 @@ Natural instabilities (an LR too high, a jump of the LR, attention logits that g
 fault: several layers rise a few times over some steps and the loss climbs. Two rules are for them:
 
 * **a critical spike is sudden** (``spike_jump``): a layer over ``spike_threshold`` is refused only if its
-  norm is also over ``spike_jump`` times its norm at the last accepted step. A layer that grew past the
-  threshold gradually (early training, a drift) is an outlier: taken and scaled back. Faults jump (a bit
+  norm is also over ``spike_jump`` times its norm at the last accepted step, or its ratio is over
+  ``spike_jump x spike_threshold`` (a runaway). A layer that grew past the threshold gradually (early
+  training, a drift) is an outlier: taken and scaled back. Faults jump (a bit
   flip, a bad batch: x50 to x1e4 from one step to the next); a gradient that grows over several steps is
   the model's, and refusing it would also refuse the gradient that corrects it.
 * **the global norm is held during a loss instability** (``instability_clip``): :class:`LossTrend` says
   when the loss has risen, in a sustained way, above its recent level. From then until the loss is back
   (or ``loss_window`` steps have passed), the global norm is capped at ``instability_clip`` times its
-  baseline and the baseline may not grow (it is fed the capped norm). Adam divides by the root of its
+  baseline (never looser than ``outlier_ratio``) and the baseline may not grow (it is fed
+  ``min(norm, baseline)``). Adam divides by the root of its
   second moment: a gradient that grows with the instability would enlarge its own updates and feed
   that moment for hundreds of steps; held at the pre-instability scale it does neither (the idea of
-  AdaGC and ZClip, applied only while the loss says something is wrong, so clean runs are untouched).
+  AdaGC and ZClip, applied only while the loss says something is wrong).
+* **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
+  steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
+  ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
+  like a consistent run of spikes.
 
 What enters the baselines: every accepted step, clipped or not, feeds its measured (pre-clip) norms
 into the EMAs; refused steps feed nothing, so a critical spike never enters its own baseline. This was
@@ -221,25 +227,29 @@ class LossTrend:
         self.ref = 0.0  # the slow level when the instability began
         self.since = 0
 
+    def _unit(self) -> float:
+        """The noise unit, floored (like :class:`LossMonitor`'s scale) so a flat loss stays sane."""
+        return max(self.noise, 1e-3 * abs(self.fast), 1e-12)
+
     def add(self, loss: float) -> None:
         """Add one finite loss and update :attr:`unstable`."""
         if self.count == 0:
             self.fast = self.slow = loss
-        if self.count >= self.min_count and self.noise > 0:
-            loss = min(loss, self.fast + 6.0 * self.noise)  # one bad batch moves the EMAs little
+        if self.count >= self.min_count:
+            loss = min(loss, self.fast + 6.0 * self._unit())  # one bad batch moves the EMAs little
         dev = abs(loss - self.fast)
         self.fast += self.fast_a * (loss - self.fast)
         self.count += 1
         if self.unstable:
             self.since += 1
-            if (self.fast - self.ref) < self.exit_z * self.noise or self.since > self.max_steps:
+            if (self.fast - self.ref) < self.exit_z * self._unit() or self.since > self.max_steps:
                 self.unstable = False
                 self.slow = self.fast
             return
         self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
         # the reference follows the fast EMA down at once and up slowly (a falling loss is no lag)
         self.slow = min(self.fast, self.slow + self.slow_a * (self.fast - self.slow))
-        if self.count >= self.min_count and self.fast - self.slow > self.enter_z * self.noise:
+        if self.count >= self.min_count and self.fast - self.slow > self.enter_z * self._unit():
             self.unstable, self.ref, self.since = True, self.slow, 0
 
     def tick(self) -> None:
@@ -359,7 +369,10 @@ class GuardPolicy:
             decision = _accept_shifts(decision, early)
         if not decision.accepted and self.spike_jump is not None and self.last is not None:
             last, jump, mask = self.last, self.spike_jump, decision.spike_mask
-            gradual = [i for i, m in enumerate(mask) if m and last[i] > 0 and values[i] < jump * last[i]]
+            # a rise under spike_jump x the last accepted norm is gradual, up to spike_jump x the layer's
+            # threshold: beyond that it is refused however it got there (a runaway doubling every step)
+            gradual = [i for i, m in enumerate(mask)
+                       if m and last[i] > 0 and values[i] < jump * last[i] and decision.ratios[i] < jump * det.limit(i)]
             if gradual:
                 decision = _unspike(decision, gradual)
         z = self.loss.zscore(loss) if self.loss is not None else None
@@ -384,7 +397,7 @@ class GuardPolicy:
             else:
                 factors = None
         unstable = self.unstable
-        cap = self.instability_clip if unstable else lim
+        cap = min(self.instability_clip, lim) if unstable else lim  # the hold only ever tightens
         # a layer's new level moves the total too (unless the loss says the run is unstable)
         if gr > cap and (decision.level_shift is None or unstable):
             g = cap / gr
@@ -416,12 +429,15 @@ class GuardPolicy:
         with this one, is ``level_shift_steps`` long and consistent, while the loss is not in an
         instability: a new level, accepted like a consistent run of spikes, so a moderate shift is not
         scaled back for the ~100 steps the EMA would take to follow it."""
-        if (not self._open_outlier_runs and self.level_shift_steps > 1) or self.unstable:
+        if not self._open_outlier_runs or self.unstable or self.level_shift_steps >= self.detector.patience:
             return []  # while the loss is unstable, a run of outliers is the instability, not a new level
-        lim, need, mask = self.outlier_ratio, self.level_shift_steps, decision.spike_mask
+        lim, need, mask, det = self.outlier_ratio, self.level_shift_steps, decision.spike_mask, self.detector
         out = []
         for i, r in enumerate(decision.ratios):
-            if r > lim and not (mask is not None and mask[i]) and len(self.outlier_runs[i]) + 1 >= need:
+            # only outliers proper (under the layer's spike threshold): a rise past it that spike_jump let
+            # through as gradual is scaled back, never settled
+            if lim < r <= det.limit(i) and not (mask is not None and mask[i]) \
+                    and len(self.outlier_runs[i]) + 1 >= need:
                 run = self.outlier_runs[i][-(need - 1):] + [r]
                 if max(run) <= self.level_shift_spread * min(run):
                     out.append(i)
@@ -464,17 +480,20 @@ class GuardPolicy:
         det.commit(decision, values, present)
         if verdict.accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
             n = self.n_layers
+            # raw norms, a scaled-back layer's too: a rise measured against its own last step (a fault right
+            # after an outlier is then scaled back to outlier_ratio rather than refused)
+            now = list(values[:n])
             if present is None or self.last is None:
-                self.last = list(values[:n])
+                self.last = now
             else:
-                self.last = [values[i] if present[i] else self.last[i] for i in range(n)]
+                self.last = [now[i] if present[i] else self.last[i] for i in range(n)]
         if verdict.accepted:
             gn = global_norm if global_norm is not None else math.sqrt(sum(v * v for v in values[: self.n_layers]))
             if gn > 0 and math.isfinite(gn):
                 c = self.global_count
                 feed = gn
-                if self.unstable:  # the baseline is held: it may not grow with the instability
-                    feed = min(gn, self.instability_clip * self.global_ema)
+                if self.unstable:  # the baseline is held: it may follow the norm down, never up
+                    feed = min(gn, self.global_ema)
                 elif decision.level_shift is not None:
                     self.global_ema = max(self.global_ema, gn)  # the new level of a layer moves the total too
                 self.global_ema += max(self.alpha, 1.0 / (c + 1)) * (feed - self.global_ema)

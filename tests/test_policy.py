@@ -295,3 +295,43 @@ def test_a_consistent_moderate_shift_with_a_calm_loss_is_a_new_level_within_10_s
     assert pol.detector.ema[0] > 5.0 * base  # the baseline was reset to the new level
     state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
     assert "outlier_runs" in state
+
+
+def test_a_layer_doubling_every_step_is_refused_once_past_spike_jump_times_the_threshold():
+    pol = make(ema_alpha=0.01)
+    warm(pol, 60)
+    kinds, x = [], 1.0
+    for _ in range(14):  # x2 per step: "gradual" for spike_jump, but a runaway
+        x *= 2.0
+        v = feed(pol, [x, 1.0])
+        kinds.append(v.kind)
+        assert v.kind == REFUSE or v.decision.ratios[0] < 4.0 * 10.0  # taken only under spike_jump x threshold
+    first = kinds.index(REFUSE)
+    assert first <= 7 and kinds[first:] == [REFUSE] * (14 - first)  # never settled, never taken unscaled
+
+
+def test_a_fault_right_after_an_outlier_is_still_acted_on():
+    pol = make(ema_alpha=0.01)
+    warm(pol, 60)
+    assert feed(pol, [4.0, 1.0]).kind == CLIP  # taken at 3x (its factor 0.75)
+    v = feed(pol, [15.0, 1.0])  # x3.75 from the last step: not a jump, so scaled back to 3x, not refused
+    assert v.kind == CLIP and v.factors[0] == pytest.approx(3.0 / 15.0, rel=0.15)  # baseline ~1.07
+    assert feed(pol, [80.0, 1.0]).kind == REFUSE  # a real jump still is
+
+
+def test_the_instability_hold_only_tightens_and_a_flat_loss_is_sane():
+    pol = make(ema_alpha=0.05, instability_clip=5.0, outlier_ratio=3.0)
+    warm(pol, 60)
+    _grow(pol, random.Random(7), loss=3.0, factor=1.0, steps=10)
+    assert pol.unstable
+    pol.global_ema /= 2.0  # as after a long hold: the global baseline below what the layers' imply
+    b = pol.detector.ema[:2]
+    vals = [2.0 * b[0], 2.0 * b[1]]  # each layer at 2x (no layer outlier), the global norm at ~4x
+    v = pol.decide(vals, None, math.hypot(*vals), 3.0)
+    assert 3.0 < v.global_ratio < 5.0 and v.kind == CLIP and "instability" in v.reasons  # capped at 3, not 5
+    t = LossTrend()
+    for _ in range(30):
+        t.add(1.0)
+    t.add(1.0 + 1e-12)
+    t.add(1.0 + 1e-12)
+    assert not t.unstable  # an exactly flat loss has a floor under its noise unit
