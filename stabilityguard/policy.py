@@ -16,7 +16,7 @@ The graded response (the seed's severity scale, 1-2 normal, 2-5 moderate, 5-10 s
 * **normal**: the step is taken unchanged.
 
 Natural instabilities (an LR too high, a jump of the LR, attention logits that grow) rarely look like a
-fault: several layers rise a few times over some steps and the loss climbs. Two rules are for them:
+fault: several layers rise a few times over some steps and the loss climbs. Three rules are for them:
 
 * **a critical spike is sudden** (``spike_jump``): a layer over ``spike_threshold`` is refused only if its
   norm is also over ``spike_jump`` times its norm at the last accepted step, or its ratio is over
