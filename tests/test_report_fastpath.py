@@ -247,3 +247,51 @@ def test_numbers_are_read_bit_for_bit_as_json_reads_them(tmp_path, monkeypatch):
     for col in ("loss", "global_norm", "loss_mean"):
         a, b = fast["f"].steps[col].to_numpy(), careful["f"].steps[col].to_numpy()
         assert (a.view("int64") == b.view("int64")).all()
+
+
+def test_the_switch_interval_is_lowered_while_decoding_and_restored(real_log, tmp_path, monkeypatch):
+    import sys
+
+    before = sys.getswitchinterval()
+    seen = []
+    decode = _fast.decode_summaries
+
+    def spying(lines, readable):
+        seen.append(sys.getswitchinterval())
+        return decode(lines, readable)
+
+    monkeypatch.setattr(_fast, "decode_summaries", spying)
+    load.load_runs(real_log)
+    assert seen and max(seen) <= _fast.SWITCH_INTERVAL + 1e-9
+    assert sys.getswitchinterval() == before
+    newer = tmp_path / "events-newer.jsonl"
+    newer.write_text(events_file(real_log).read_text() + json.dumps(
+        {"schema_version": "9.0", "kind": "step_summary", "run_id": "real", "step": 1}) + "\n")
+    with pytest.raises(load.LogFormatError):
+        load.load_runs(newer)
+    assert sys.getswitchinterval() == before
+    with _fast.short_switch_interval():  # nested uses (two loaders in two threads) restore it once, at the end
+        with _fast.short_switch_interval():
+            pass
+        assert sys.getswitchinterval() <= _fast.SWITCH_INTERVAL + 1e-9
+    assert sys.getswitchinterval() == before
+
+
+def test_read_blocks_gives_the_file_s_lines_whatever_the_block_size(monkeypatch):
+    import io
+
+    rng = random.Random(11)
+    for _ in range(500):
+        data = b"".join(rng.choice([b"\n", b"ab", b"x" * rng.randint(0, 200), b"\n\n", b"{}"])
+                        for _ in range(rng.randint(0, 60)))
+        monkeypatch.setattr(_fast, "BLOCK_BYTES", rng.choice([1, 2, 3, 7, 16, 64, 1000]))
+        blocks = list(_fast.read_blocks(io.BytesIO(data), 1 << 20))
+        lines = [ln for _, ls, _ in blocks for ln in ls]
+        expected = data.split(b"\n")
+        if expected[-1] == b"":  # a final newline ends the last line
+            expected.pop()
+        assert lines == expected
+        assert [first for first, _, _ in blocks] == [1 + sum(len(ls) for _, ls, _ in blocks[:i])
+                                                    for i in range(len(blocks))]
+        assert all(complete for _, _, complete in blocks[:-1])
+        assert not blocks or blocks[-1][2] == data.endswith(b"\n")

@@ -398,3 +398,25 @@ def test_postmortem_of_a_real_guard_with_the_flight_recorder(run_factory, tmp_pa
         assert f"| clipped steps | {s['clipped']} |" in md
     page = paths["html"].read_text()
     assert page.count("data:image/png;base64,") == page.count("<img ") >= 4
+
+
+def test_plots_are_the_files_tight_layout_and_savefig_give(run15, tmp_path, monkeypatch):
+    """``_save`` drops the placeholder layout engine tight_layout leaves (one draw less): the same bytes."""
+    pytest.importorskip("matplotlib")
+    from stabilityguard.reports import plots
+
+    def draw_all(out: Path) -> Dict[str, bytes]:
+        out.mkdir()
+        files = [plots.timeline_plot(run15, out / "timeline.png"), plots.heatmap_plot(run15, out / "heatmap.png")]
+        files += [plots.incident_plot(run15, s, out / f"incident_{s}.png", 0) for s in (150, 220, 250)]
+        return {p.name: p.read_bytes() for p in files}
+
+    new = draw_all(tmp_path / "new")
+
+    def save_as_before(fig: Any, path: Any) -> Path:
+        fig.tight_layout()
+        fig.savefig(path)
+        return Path(path)
+
+    monkeypatch.setattr(plots, "_save", save_as_before)
+    assert draw_all(tmp_path / "old") == new

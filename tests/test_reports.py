@@ -191,3 +191,24 @@ def test_report_of_a_real_guarded_run(run_factory, tmp_path):
 def test_compare_table_from_loaded_runs(golden):
     t = compare_table({"a": golden, "b": golden})
     assert t.loc["a", "worst_layers"].startswith(ODD) and t.loc["b", "skipped"] == 4
+
+
+def test_severity_of_arrays_is_the_categorical_of_the_class_names():
+    """``severity_of`` builds the categorical from codes: what the class names it stands for give."""
+    import numpy as np
+
+    from stabilityguard.reports import SEVERITY_CLASSES, severity_of
+
+    rng = np.random.default_rng(5)
+    ratio = np.concatenate([rng.uniform(0, 30, 500), [np.nan, np.inf, -np.inf, 2.0, 5.0, 10.0, 10.5, -1.0, 0.0]])
+    kind = rng.choice(np.array(["spike", "nonfinite", None], dtype=object), len(ratio))
+    for k in (None, kind, pd.Series(kind)):
+        names = np.select([ratio <= 2, ratio <= 5, ratio <= 10, ratio > 10],
+                          ["normal", "moderate", "severe", "critical"], "nonfinite")
+        if k is not None:
+            names = np.where(np.asarray(k, dtype=object) == "nonfinite", "nonfinite", names)
+        expected = pd.Categorical(names, categories=list(SEVERITY_CLASSES), ordered=True)
+        for r in (ratio, pd.Series(ratio)):
+            pd.testing.assert_series_equal(pd.Series(severity_of(r, k)), pd.Series(expected), check_exact=True)
+    pd.testing.assert_series_equal(pd.Series(severity_of(np.zeros(0))),
+                                   pd.Series(pd.Categorical([], categories=list(SEVERITY_CLASSES), ordered=True)))

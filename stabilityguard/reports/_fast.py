@@ -13,6 +13,9 @@ checking columns was measured: no faster than the careful path).
 
 from __future__ import annotations
 
+import sys
+import threading
+from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 # numpy and pyarrow are imported by ``available()``, on the first log read (not when reports are imported)
@@ -72,11 +75,12 @@ def read_blocks(f: Any, max_line_bytes: int) -> Iterator[Tuple[int, List[bytes],
             pieces.append(chunk)
             held += len(chunk)
         else:
-            data = b"".join(pieces) + chunk[:cut] if pieces else chunk[:cut]
-            lines = data.split(b"\n")
+            lines = chunk.split(b"\n")  # the block's lines, then what follows its last newline
+            rest = lines.pop()
+            if pieces:  # the block's first line began in the previous chunk(s)
+                lines[0] = b"".join(pieces) + lines[0]
             yield lineno + 1, lines, True
             lineno += len(lines)
-            rest = chunk[cut + 1:]
             pieces, held = ([rest], len(rest)) if rest else ([], 0)
         if held > max_line_bytes:
             lineno += 1
@@ -119,6 +123,39 @@ def prefetch(blocks: Iterator[Any], prepare: Any) -> Iterator[Any]:
             pending = nxt
         if pending is not None:
             yield pending.result()
+
+
+#: The interpreter's switch interval while a block is decoded beside the caller (seconds; Python's default: 5 ms).
+SWITCH_INTERVAL = 0.0005
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
+
+
+@contextmanager
+def short_switch_interval() -> Iterator[None]:
+    """Lower ``sys.getswitchinterval()`` to :data:`SWITCH_INTERVAL` for the time of a ``prefetch``; restore it.
+
+    Between its pyarrow calls the decoding thread needs the GIL for short steps, while the caller holds
+    it (reading records). With Python's default interval each such step waits up to 5 ms for the GIL:
+    on a million-line log, about 1 s of the loading time (measured). The value is put back when the
+    last loader using it ends, unless something else changed it meanwhile.
+    """
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            if _switch_saved > SWITCH_INTERVAL:
+                sys.setswitchinterval(SWITCH_INTERVAL)
+        _switch_users += 1
+        ours = sys.getswitchinterval()
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0 and sys.getswitchinterval() == ours:
+                sys.setswitchinterval(_switch_saved)
 
 
 class SummaryColumns:

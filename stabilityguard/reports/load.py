@@ -32,6 +32,7 @@ import json
 import logging
 from array import array
 from bisect import bisect_left
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -758,8 +759,8 @@ class _RunBuilder:
         frows = col(self.frows, np.float64).reshape(-1, len(_SUMMARY_FLOATS))
         irows = col(self.irows, np.int64).reshape(-1, 3 + len(_SUMMARY_INTS))
         int_names = ("step", "rank", "segment") + _SUMMARY_INTS
-        cols: Dict[str, Any] = {k: irows[:, i].copy() for i, k in enumerate(int_names)}
-        cols.update({k: frows[:, i].copy() for i, k in enumerate(_SUMMARY_FLOATS)})
+        cols: Dict[str, Any] = {k: irows[:, i] for i, k in enumerate(int_names)}
+        cols.update({k: frows[:, i] for i, k in enumerate(_SUMMARY_FLOATS)})
         cols["max_ratio_layer"] = cat(self.layer_codes)
         order = ["step", "time", "global_norm", "max_ratio", "max_ratio_layer", "loss", "lr", "threshold",
                  "steps", "spikes", "nonfinite", "skipped", "rollbacks", "rank", "segment"]
@@ -769,10 +770,10 @@ class _RunBuilder:
             known = ~np.isnan(orows).all(axis=0)
             for i, k in enumerate(_SUMMARY_OPTIONAL):
                 if known[i]:
-                    data[k] = orows[:, i].copy()
+                    data[k] = orows[:, i]
         if self.refused_codes is not None:
             data["refused_max_ratio_layer"] = cat(self.refused_codes)
-        steps = pd.DataFrame(data)
+        steps = pd.DataFrame(data)  # copies the columns (strided views of the rows) into its blocks
         if not steps["step"].is_monotonic_increasing:
             steps = steps.sort_values(["step", "segment"], kind="stable").reset_index(drop=True)
         if len(steps) and steps["segment"].iloc[-1] != steps["segment"].iloc[0]:
@@ -865,10 +866,11 @@ def severity_of(ratio: Any, kind: Any = None) -> Any:
     import numpy as np
 
     r = np.asarray(ratio, dtype=float)
-    out = np.select([r <= 2, r <= 5, r <= 10, r > 10], ["normal", "moderate", "severe", "critical"], "nonfinite")
+    # codes into SEVERITY_CLASSES (normal, moderate, severe, critical, nonfinite): no strings to factorize
+    codes = np.select([r <= 2, r <= 5, r <= 10, r > 10], [0, 1, 2, 3], 4).astype(np.int8)
     if kind is not None:
-        out = np.where(np.asarray(kind, dtype=object) == "nonfinite", "nonfinite", out)
-    return pd.Categorical(out, categories=list(SEVERITY_CLASSES), ordered=True)
+        codes[np.asarray(kind, dtype=object) == "nonfinite"] = 4
+    return pd.Categorical.from_codes(codes, categories=list(SEVERITY_CLASSES), ordered=True)
 
 
 def _log_files(paths: Sequence[PathLike]) -> List[Path]:
@@ -987,7 +989,7 @@ def _read_jsonl(path: Path, problems: List[Problem], max_line_bytes: int,
         mask[cand] = False
         return first, lines, complete, cand, cols, np.flatnonzero(mask).tolist()
 
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, (_fast.short_switch_interval() if fast else nullcontext()):
         blocks = _fast.read_blocks(f, max_line_bytes)
         for first, lines, complete, cand, cols, others in (_fast.prefetch(blocks, prepare) if fast else (
                 (first, lines, complete, [], None, range(len(lines))) for first, lines, complete in blocks)):

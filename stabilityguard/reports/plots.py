@@ -65,7 +65,12 @@ def _figure(width: float, height: float) -> Any:
 
 def _save(fig: Any, path: PathLike) -> Path:
     path = Path(path)
+    before = fig.get_layout_engine()
     fig.tight_layout()
+    if before is None:
+        # tight_layout leaves a placeholder layout engine, for which savefig draws the whole figure once
+        # more before drawing it into the file; the layout is done: without it, the same file, one draw less
+        fig.set_layout_engine(None)
     fig.savefig(path)
     return path
 
