@@ -548,15 +548,7 @@ class GuardPolicy:
 
 def _accept_shifts(decision: Decision, layers: List[int]) -> Decision:
     """The decision with ``layers`` moved from the spikes to the accepted level shifts."""
-    assert decision.spike_mask is not None
-    spike = list(decision.spike_mask)
-    shift = list(decision.level_shift) if decision.level_shift is not None else [False] * len(spike)
-    for i in layers:
-        spike[i], shift[i] = False, True
-    live = [i for i, s in enumerate(spike) if s]
-    trigger = max(live, key=decision.ratios.__getitem__) if live else -1
-    return Decision(decision.ratios, spike if live else None, shift, trigger, decision.max_index,
-                    decision.max_ratio)
+    return _mark_shifts(_unspike(decision, layers), layers)
 
 
 def _unspike(decision: Decision, layers: List[int]) -> Decision:

@@ -160,13 +160,14 @@ def run(rank: int, world: int, scenario: str, out: str, init: str) -> None:
     Path(out, f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # nobody tears the group down while another rank still uses it
     dist.destroy_process_group()
+    # Skip interpreter teardown (results written, group destroyed), under mp.spawn and torchrun alike:
+    # gloo's exit-time destructors sometimes aborted a worker ("terminate called without an active
+    # exception"), as in hf_dist_worker.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":  # torchrun entry point
     scenario, out = sys.argv[1], sys.argv[2]
     run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), scenario, out, "env://")
-    # Skip interpreter teardown (results written, group destroyed): gloo's exit-time destructors
-    # sometimes aborted a worker ("terminate called without an active exception"), as in hf_dist_worker.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

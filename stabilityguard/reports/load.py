@@ -212,6 +212,14 @@ class _Checker:
         v = self.opt_int(rec, key)
         return 0 if v is None else v
 
+    def int_list(self, rec: Dict[str, Any], key: str) -> Optional[List[int]]:
+        """A list of integers, or ``None`` (missing, null, or wrong type: reported)."""
+        v = rec.get(key)
+        if v is None or (type(v) is list and all(type(x) is int for x in v)):
+            return v
+        self._complain(key, v, "a list of integers")
+        return None
+
     def text(self, rec: Dict[str, Any], key: str) -> Optional[str]:
         v = rec.get(key)
         if v is None or type(v) is str:
@@ -421,10 +429,7 @@ class _RunBuilder:
             if epoch is not None and type(epoch) not in (int, float):
                 chk._complain("epoch", epoch, "a number")
                 epoch = None
-            samples = rec.get("sample_indices")
-            if samples is not None and not (isinstance(samples, list) and all(type(s) is int for s in samples)):
-                chk._complain("sample_indices", samples, "a list of integers")
-                samples = None
+            samples = chk.int_list(rec, "sample_indices")
             self.refused.append({
                 "step": step, "global_step": chk.opt_int(rec, "global_step"), "epoch": epoch,
                 "batch_index": chk.opt_int(rec, "batch_index"), "sample_indices": samples,
@@ -685,10 +690,7 @@ class _RunBuilder:
         if loss_finite is not None and type(loss_finite) is not bool:
             chk._complain("loss_finite", loss_finite, "a boolean")
             loss_finite = None
-        origin = rec.get("origin_ranks")
-        if origin is not None and not (isinstance(origin, list) and all(type(r) is int for r in origin)):
-            chk._complain("origin_ranks", origin, "a list of integers")
-            origin = None
+        origin = chk.int_list(rec, "origin_ranks")
         row = {
             "step": step,
             "kind": kind,
