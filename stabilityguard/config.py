@@ -116,6 +116,21 @@ class GuardConfig:
     level_shift_spread: float = 2.0
     """Largest / smallest ratio of a run of spikes that still counts as a consistent level shift (>= 1)."""
 
+    calm_shift_steps: Optional[int] = 2
+    """Consecutive consistent critical spikes of one layer after which its new level is accepted when the
+    loss handed to ``step(loss=...)`` stayed calm on every one of them (not above its recent level by
+    ``instability_z`` noise units): refused steps leave the weights as they were, so a gradient that
+    comes back the same on new batches with an ordinary loss is the model's, not a bad batch's (whose
+    loss jumps with it). Without a loss, or with a loss that jumped, ``level_shift_steps`` applies
+    (>= 2; ``None``: off; only with ``graded_response`` and ``instability_clip``)."""
+
+    early_clip: bool = True
+    """Before ``warmup_steps`` accepted steps, when no layer is covered yet, a global gradient norm over
+    ``spike_threshold`` x the mean of the steps so far (from the 4th step) is scaled back to
+    ``outlier_ratio`` x that mean (clip reason ``warmup``), and that mean takes the scaled-back norm: an
+    LR too high from the start blows the gradient up within a few steps, before any baseline exists.
+    Never fired on the clean runs of ``bench/protection.py``. Only with ``graded_response``."""
+
     flight_recorder_steps: int = 64
     """Steps of per-step numbers (global norm, loss, LR, max ratio, action) attached to every incident."""
 
@@ -258,6 +273,10 @@ class GuardConfig:
         _check_int("loss_window", self.loss_window, low=20)
         _check_int("level_shift_steps", self.level_shift_steps, low=2)
         _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
+        if not isinstance(self.early_clip, bool):
+            raise ConfigError(f"early_clip must be True or False; got {self.early_clip!r}")
+        if self.calm_shift_steps is not None:
+            _check_int("calm_shift_steps", self.calm_shift_steps, low=2)
         _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1)
         if not isinstance(self.track_update_size, bool):
             raise ConfigError(f"track_update_size must be True or False; got {self.track_update_size!r}")

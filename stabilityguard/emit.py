@@ -246,13 +246,18 @@ class RunLog:
         self.events.action(step, action="skip", reason=reason)
 
     def baseline_resets(self, step: int, verdict: Any, before: Sequence[float], values: Sequence[float],
-                        config: Any) -> None:
-        """The ``baseline_reset`` records of the layers whose baseline moved to a new level this step."""
+                        config: Any, restored: Sequence[Tuple[int, float, float]] = ()) -> None:
+        """The ``baseline_reset`` records of the layers whose baseline moved to a new level this step, and
+        of those whose provisional new level was undone (``consecutive`` 0, see ``GuardPolicy``)."""
+        for i, level, old in restored:
+            self.counters.baseline_resets += 1
+            self.events.baseline_reset(step, i, level, old, 0)
         shifts = verdict.decision.level_shift
         for i, s in enumerate(shifts if shifts is not None else ()):
             if s:
                 self.counters.baseline_resets += 1
-                run = config.level_shift_steps if i in verdict.consistent_shift else config.level_shift_patience
+                run = (config.calm_shift_steps if i in verdict.calm_shift else
+                       config.level_shift_steps if i in verdict.consistent_shift else config.level_shift_patience)
                 self.events.baseline_reset(step, i, before[i], values[i], run)
 
     def flight_records(self, step: Optional[int] = None) -> None:

@@ -304,7 +304,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         pol = self._policy
         verdict = pol.decide(stats.values, stats.present, stats.global_norm, stats.loss)
         before = pol.commit(verdict, stats.values, stats.present, stats.loss, stats.global_norm)
-        self._log.baseline_resets(step, verdict, before, stats.values, self.config)
+        self._log.baseline_resets(step, verdict, before, stats.values, self.config, pol.restored)
         if verdict.kind != REFUSE:
             self._accept(step, stats, verdict)
             return None

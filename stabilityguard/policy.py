@@ -50,7 +50,15 @@ Level shifts after critical spikes (refused steps feed no baseline, so a genuine
 scale would be refused forever): a layer that spiked ``level_shift_steps`` steps in a row with consistent
 ratios (largest / smallest of the run <= ``level_shift_spread``) has its new level accepted at once; a
 run of bad batches is rarely that consistent, and one shorter than ``level_shift_steps`` is always
-refused. Inconsistent runs are accepted after ``level_shift_patience`` steps, as before.
+refused. Inconsistent runs are accepted after ``level_shift_patience`` steps, as before. When the loss
+stayed calm on every step of a consistent run (:meth:`LossTrend.calm`), ``calm_shift_steps`` steps are
+enough: a refused step leaves the weights as they were, so a gradient that comes back the same on a new
+batch, with an ordinary loss, is the model's (an overshoot of the warm-up, a new level), and refusing
+it again cannot change it; bad batches move the loss with the gradient. A level accepted early (either
+way) is provisional for ``level_shift_patience`` accepted steps: a layer that comes back to within
+``outlier_ratio`` of its old baseline restarts from that baseline or its present norm, whichever is
+higher (:attr:`GuardPolicy.restored`), so a burst taken for a new level does not leave the layer blind
+while the EMA comes down.
 
 Example:
     >>> pol = GuardPolicy(["fc"], 1, [0], spike_threshold=10, ema_alpha=0.1, warmup_steps=2)
@@ -83,10 +91,12 @@ class Verdict:
         kind: ``"accept"``, ``"clip"`` (taken, scaled back) or ``"refuse"`` (a critical spike).
         decision: The spike detector's decision (ratios, trigger, level shifts).
         factors: With ``kind == "clip"``: one factor (<= 1) per layer; ``None`` otherwise.
-        reasons: Why the step was clipped: any of ``"layer"``, ``"global"``, ``"instability"``, ``"loss"``.
+        reasons: Why the step was clipped: any of ``"layer"``, ``"global"``, ``"instability"``, ``"warmup"``,
+            ``"loss"``.
         global_ratio: Global norm / its baseline (NaN before warm-up).
         loss_z: Robust z-score of the loss against its window (``None`` without a loss or a full window).
         consistent_shift: Layers whose level shift was accepted early because their run was consistent.
+        calm_shift: Those of them accepted after ``calm_shift_steps``, their loss calm on every step.
     """
 
     kind: str
@@ -96,6 +106,7 @@ class Verdict:
     global_ratio: float = math.nan
     loss_z: Optional[float] = None
     consistent_shift: Sequence[int] = ()
+    calm_shift: Sequence[int] = ()
 
     @property
     def accepted(self) -> bool:
@@ -252,6 +263,15 @@ class LossTrend:
         if self.count >= self.min_count and self.fast - self.slow > self.enter_z * self._unit():
             self.unstable, self.ref, self.since = True, self.slow, 0
 
+    #: Losses the trend needs before it calls one calm (:meth:`calm`).
+    CALM_AFTER = 8
+
+    def calm(self, loss: Optional[float]) -> bool:
+        """Is ``loss`` ordinary: finite and not above the fast EMA by ``enter_z`` noise units (a bad batch's
+        loss jumps far beyond)? ``False`` without a loss or before :attr:`CALM_AFTER` losses."""
+        return (loss is not None and self.count >= self.CALM_AFTER and math.isfinite(loss)
+                and loss - self.fast <= self.enter_z * self._unit())
+
     def tick(self) -> None:
         """A step without a loss: an instability still ends after ``max_steps`` steps."""
         if self.unstable:
@@ -292,7 +312,14 @@ class GuardPolicy:
         instability_clip: Global-norm cap (x its held baseline) during a loss instability (``None``: off).
         instability_z: Rise of the loss, in noise units, that begins an instability.
         spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
+        calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
+            new level is accepted (``None``: ``level_shift_steps`` for every run).
+        early_clip: Before ``warmup_steps``, scale a global norm over ``spike_threshold`` x the mean of the
+            steps so far back to ``outlier_ratio`` x that mean (only with ``graded``).
     """
+
+    #: Accepted steps the global norm's young mean needs before ``early_clip`` uses it.
+    EARLY_MIN = 3
 
     def __init__(
         self,
@@ -313,13 +340,24 @@ class GuardPolicy:
         instability_clip: Optional[float] = 1.0,
         instability_z: float = 3.0,
         spike_jump: Optional[float] = 4.0,
+        calm_shift_steps: Optional[int] = 2,
+        early_clip: bool = True,
     ) -> None:
         self.spike_jump = float(spike_jump) if (graded and spike_jump is not None) else None
+        self.early_clip = bool(graded and early_clip)
         self.last: Optional[List[float]] = None  # the last accepted step's layer norms (for spike_jump)
         self.instability_clip = float(instability_clip) if instability_clip is not None else None
         self.trend: Optional[LossTrend] = None
         if graded and instability_clip is not None:
             self.trend = LossTrend(enter_z=instability_z, max_steps=loss_window)
+        self.calm_shift_steps = int(calm_shift_steps) if (self.trend is not None and calm_shift_steps) else None
+        #: Consecutive refused steps, up to the last one, whose loss was calm (see ``calm_shift_steps``).
+        self.calm_refused = 0
+        #: Layers whose new level was accepted early (a consistent run), with the baselines of their
+        #: series before it and the accepted steps left in which coming back to it undoes the new level.
+        self.provisional: Dict[int, Tuple[Dict[int, float], int]] = {}
+        #: ``(layer, new level, restored baseline)`` of the provisional levels the last commit undid.
+        self.restored: List[Tuple[int, float, float]] = []
         self.detector = SpikeDetector(names, n_layers, group, threshold=spike_threshold, alpha=ema_alpha,
                                       warmup_steps=warmup_steps, patience=level_shift_patience)
         self.n_layers = int(n_layers)
@@ -351,7 +389,7 @@ class GuardPolicy:
                    loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
                    level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread,
                    instability_clip=cfg.instability_clip, instability_z=cfg.instability_z,
-                   spike_jump=cfg.spike_jump)
+                   spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip)
 
     @property
     def unstable(self) -> bool:
@@ -364,7 +402,7 @@ class GuardPolicy:
         """Decide on one step's finite numbers; changes nothing (see :meth:`commit`)."""
         det = self.detector
         decision = det.evaluate(values, present)
-        early = self._consistent_shifts(decision)
+        early, calm = self._consistent_shifts(decision, loss)
         if early:
             decision = _accept_shifts(decision, early)
         if not decision.accepted and self.spike_jump is not None and self.last is not None:
@@ -377,10 +415,11 @@ class GuardPolicy:
                 decision = _unspike(decision, gradual)
         z = self.loss.zscore(loss) if self.loss is not None else None
         if not decision.accepted:
-            return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early)
-        gr = global_norm / self.global_ema if self.global_count >= self.warmup_steps else math.nan
+            return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early, calm_shift=calm)
+        young = self._young(global_norm)  # a jump of the global norm before any layer is covered (early_clip)
+        gr = global_norm / self.global_ema if (young or self.global_count >= self.warmup_steps) else math.nan
         if not self.graded:
-            return Verdict(ACCEPT, decision, global_ratio=gr, consistent_shift=early)
+            return Verdict(ACCEPT, decision, global_ratio=gr, consistent_shift=early, calm_shift=calm)
         lim = self.outlier_ratio
         factors: Optional[List[float]] = None
         reasons: List[str] = []
@@ -397,32 +436,49 @@ class GuardPolicy:
             else:
                 factors = None
         unstable = self.unstable
-        cap = min(self.instability_clip, lim) if unstable else lim  # the hold only ever tightens
+        cap = min(self.instability_clip, lim) if (unstable and not young) else lim  # the hold only ever tightens
         # a layer's new level moves the total too (unless the loss says the run is unstable)
         if gr > cap and (decision.level_shift is None or unstable):
             g = cap / gr
             factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
-            reasons.append("instability" if unstable else "global")
+            reasons.append("warmup" if young else "instability" if unstable else "global")
         if z is not None and self.loss is not None and z > self.loss.z_threshold:
             g = self.loss.z_threshold / z
             factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
             reasons.append("loss")
         if factors is None:
-            return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early)
-        return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early)
+            return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early, calm_shift=calm)
+        return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm)
 
-    def _consistent_shifts(self, decision: Decision) -> List[int]:
-        """Spiking layers whose run (with this step) is long and consistent enough to be a new level."""
+    def _young(self, global_norm: float) -> bool:
+        """``early_clip``: before ``warmup_steps``, from the ``EARLY_MIN``-th step, is the global norm over
+        ``spike_threshold`` x the mean of the accepted ones so far?"""
+        c = self.global_count
+        return (self.early_clip and self.EARLY_MIN <= c < self.warmup_steps
+                and global_norm > self.detector.threshold * self.global_ema)
+
+    def _consistent_shifts(self, decision: Decision, loss: Optional[float]) -> Tuple[List[int], List[int]]:
+        """Spiking layers whose run (with this step) is long and consistent enough to be a new level:
+        ``level_shift_steps`` long, or ``calm_shift_steps`` when the loss was calm on every step of it;
+        and those accepted for the second reason alone."""
         mask = decision.spike_mask
         if mask is None or self.level_shift_steps >= self.detector.patience:
-            return []
-        out = []
+            return [], []
+        calm = self.calm_shift_steps is not None and self.trend is not None and self.trend.calm(loss)
+        out: List[int] = []
+        early: List[int] = []
         for i, s in enumerate(mask):
-            if s and len(self.runs[i]) + 1 >= self.level_shift_steps:
-                run = self.runs[i][-(self.level_shift_steps - 1):] + [decision.ratios[i]]
+            n = len(self.runs[i])
+            need = self.level_shift_steps
+            if calm and self.calm_refused >= n:
+                need = min(need, self.calm_shift_steps or need)
+            if s and n + 1 >= need:
+                run = self.runs[i][-(need - 1):] + [decision.ratios[i]]
                 if max(run) <= self.level_shift_spread * min(run):
                     out.append(i)
-        return out
+                    if n + 1 < self.level_shift_steps:
+                        early.append(i)
+        return out, early
 
     def _settled_outliers(self, decision: Decision) -> List[int]:
         """Outlier layers (over ``outlier_ratio``, not spiking) whose run of consecutive scaled-back steps,
@@ -449,6 +505,9 @@ class GuardPolicy:
         """Apply a verdict to the state; returns the baselines as they were before it."""
         det, decision = self.detector, verdict.decision
         before = det.baselines() if (not verdict.accepted or decision.shifted) else []
+        if self.calm_shift_steps is not None:
+            assert self.trend is not None
+            self.calm_refused = (self.calm_refused + 1 if not verdict.accepted and self.trend.calm(loss) else 0)
         mask = decision.spike_mask
         if mask is not None or self._open_runs:  # the common step has neither: no loop over layers
             for i in range(self.n_layers):
@@ -478,6 +537,7 @@ class GuardPolicy:
             self._open_runs = any(self.runs)
             self._open_outlier_runs = any(self.outlier_runs)
         det.commit(decision, values, present)
+        self._provisional_levels(verdict, before, values, present)
         if verdict.accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
             n = self.n_layers
             # raw norms, a scaled-back layer's too: a rise measured against its own last step (a fault right
@@ -492,7 +552,9 @@ class GuardPolicy:
             if gn > 0 and math.isfinite(gn):
                 c = self.global_count
                 feed = gn
-                if self.unstable:  # the baseline is held: it may follow the norm down, never up
+                if "warmup" in verdict.reasons:  # the young baseline takes the norm as it was scaled back
+                    feed = self.outlier_ratio * self.global_ema
+                elif self.unstable:  # the baseline is held: it may follow the norm down, never up
                     feed = min(gn, self.global_ema)
                 elif decision.level_shift is not None:
                     self.global_ema = max(self.global_ema, gn)  # the new level of a layer moves the total too
@@ -507,6 +569,39 @@ class GuardPolicy:
                 self.trend.tick()
         return before
 
+    def _provisional_levels(self, verdict: Verdict, before: List[float], values: Sequence[float],
+                            present: Optional[Sequence[bool]]) -> None:
+        """A new level accepted early (a consistent run shorter than ``level_shift_patience``) is
+        provisional: if the layer comes back to its old level (within ``outlier_ratio`` of the old
+        baseline) in the next ``level_shift_patience`` accepted steps, it was a burst, and its baselines
+        restart from the old ones or the present norms, whichever is higher (they would otherwise take
+        hundreds of steps to come back down, and the layer would be blind to spikes meanwhile; the
+        present norm, when higher, is where a layer still growing naturally now stands)."""
+        self.restored = []
+        if not self.graded or (not self.provisional and not verdict.consistent_shift):
+            return  # graded_response=False keeps the original design's baselines
+        det, group = self.detector, self.detector.group
+        if verdict.accepted:
+            for i in list(self.provisional):
+                if present is not None and not present[i]:
+                    continue
+                old, left = self.provisional[i]
+                if values[i] <= self.outlier_ratio * old[i]:  # back: the baseline restarts from here
+                    back = {j: max(v, values[j]) for j, v in old.items()}
+                    self.restored.append((i, det.ema[i], back[i]))
+                    for j, v in back.items():
+                        det.ema[j] = v
+                    del self.provisional[i]
+                elif left <= 1:
+                    del self.provisional[i]
+                else:
+                    self.provisional[i] = (old, left - 1)
+        for i in verdict.consistent_shift:  # a layer shifting again keeps the level it had before the first
+            old = self.provisional[i][0] if i in self.provisional else \
+                {j: before[j] for j, g in enumerate(group) if g == i and math.isfinite(before[j])}
+            if i in old and old[i] > 0:
+                self.provisional[i] = (old, det.patience)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
         """Baselines, counters, loss window and spike runs (JSON-native)."""
@@ -520,6 +615,9 @@ class GuardPolicy:
             "outlier_runs": {names[i]: list(r) for i, r in enumerate(self.outlier_runs) if r},
             "trend": self.trend.state_dict() if self.trend is not None else None,
             "last": None if self.last is None else {names[i]: v for i, v in enumerate(self.last)},
+            "calm_refused": self.calm_refused,
+            "provisional": {names[i]: {"old": {names[j]: v for j, v in old.items()}, "left": left}
+                            for i, (old, left) in self.provisional.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -541,6 +639,13 @@ class GuardPolicy:
         self._open_outlier_runs = any(self.outlier_runs)
         if self.trend is not None and state.get("trend"):
             self.trend.load_state_dict(state["trend"])
+        self.calm_refused = int(state.get("calm_refused", 0))
+        pos = {n: i for i, n in enumerate(names)}
+        self.provisional = {}
+        for name, p in (state.get("provisional") or {}).items():
+            old = {pos[k]: float(v) for k, v in p["old"].items() if k in pos}
+            if name in pos and pos[name] < self.n_layers and pos[name] in old:
+                self.provisional[pos[name]] = (old, int(p["left"]))
         last = state.get("last")
         if self.spike_jump is not None and last:  # a layer not in the checkpoint has no previous norm yet
             self.last = [float(last.get(names[i], 0.0)) for i in range(self.n_layers)]

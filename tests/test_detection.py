@@ -152,3 +152,26 @@ def test_level_shift_in_real_training_is_accepted_after_patience(run_factory):
     assert c.skipped == 3 + 4 and c.baseline_resets == 1
     resets = events_of(run, "baseline_reset")
     assert [(r["step"], r["layer"]) for r in resets] == [(44, "blocks.0.mlp.fc")]
+
+
+def test_a_calm_consistent_burst_is_taken_after_one_refusal_and_its_level_undone_after(run_factory):
+    """calm_shift_steps=2: a x20 layer for 3 steps with an ordinary loss is refused once, taken as a new
+    level, and when the layer comes back its baseline restarts near the old one (a second ``baseline_reset``,
+    consecutive 0)."""
+    run = run_factory()
+    run.train(30)
+    base = run.opt._detector.ema[run.opt._names.index("blocks.0.mlp.fc")]
+    burst = {s: (lambda m: scale_grad(m.blocks[0].mlp.fc, 20.0)) for s in (30, 31, 32)}
+    run.train(10, faults=burst)
+    c = run.opt.counters
+    assert c.skipped == 1 and c.baseline_resets == 2
+    resets = events_of(run, "baseline_reset")
+    assert [(r["step"], r["layer"], r["consecutive"]) for r in resets] == [
+        (31, "blocks.0.mlp.fc", 2), (33, "blocks.0.mlp.fc", 0)]
+    assert resets[1]["old_baseline"] > 10 * resets[1]["new_baseline"]  # from the burst's level...
+    assert resets[0]["old_baseline"] == pytest.approx(base)
+    # ...back to the old baseline or the layer's present norm, whichever is higher (within outlier_ratio of it)
+    assert base <= resets[1]["new_baseline"] <= 3.0 * base
+    spike = {40: lambda m: scale_grad(m.blocks[0].mlp.fc, 20.0)}
+    run.train(2, faults=spike)
+    assert run.opt.counters.skipped == 2  # not blind: the next x20 is refused again

@@ -137,7 +137,13 @@ def test_flight_recorder_size_is_validated(size):
                                      ({"instability_clip": float("nan")}, "instability_clip"),
                                      ({"instability_z": None}, "instability_z"),
                                      ({"instability_z": -2}, "instability_z"),
-                                     ({"spike_jump": 0.5}, "spike_jump"), ({"spike_jump": True}, "spike_jump")])
+                                     ({"spike_jump": 0.5}, "spike_jump"), ({"spike_jump": True}, "spike_jump"),
+                                     ({"calm_shift_steps": 1}, "calm_shift_steps"),
+                                     ({"calm_shift_steps": 2.5}, "calm_shift_steps"),
+                                     ({"calm_shift_steps": "2"}, "calm_shift_steps"),
+                                     ({"calm_shift_steps": True}, "calm_shift_steps"),
+                                     ({"early_clip": "yes"}, "early_clip"), ({"early_clip": 1}, "early_clip"),
+                                     ({"early_clip": None}, "early_clip")])
 def test_graded_settings_are_validated(kw, name):
     from stabilityguard import ConfigError
 
@@ -151,11 +157,13 @@ def test_instability_settings_take_numpy_and_tensor_scalars_and_none():
     from stabilityguard import GuardConfig
 
     cfg = GuardConfig(instability_clip=np.float32(1.5), instability_z=torch.tensor(2.0), spike_jump=np.int64(6),
-                      verbose=False)
-    assert (cfg.instability_clip, cfg.instability_z, cfg.spike_jump) == (1.5, 2.0, 6)
+                      calm_shift_steps=np.int32(3), verbose=False)
+    assert (cfg.instability_clip, cfg.instability_z, cfg.spike_jump, cfg.calm_shift_steps) == (1.5, 2.0, 6, 3)
     assert all(type(v) in (int, float) for v in (cfg.instability_clip, cfg.instability_z, cfg.spike_jump))
-    off = GuardConfig(instability_clip=None, spike_jump=None, verbose=False)
-    assert off.instability_clip is None and off.spike_jump is None
+    assert type(cfg.calm_shift_steps) is int
+    assert GuardConfig(early_clip=np.bool_(False), verbose=False).early_clip is False
+    off = GuardConfig(instability_clip=None, spike_jump=None, calm_shift_steps=None, verbose=False)
+    assert off.instability_clip is None and off.spike_jump is None and off.calm_shift_steps is None
 
 
 @pytest.mark.parametrize("unused_layer", [False, True])  # True: a parameter without grad (general path)

@@ -335,3 +335,169 @@ def test_the_instability_hold_only_tightens_and_a_flat_loss_is_sane():
     t.add(1.0 + 1e-12)
     t.add(1.0 + 1e-12)
     assert not t.unstable  # an exactly flat loss has a floor under its noise unit
+
+
+def _shift_kinds(pol, loss_of, n=8, seed=3):
+    rng = random.Random(seed)
+    return [feed(pol, [40.0 * (1 + 0.1 * rng.random()), 1.0], loss_of(i)).kind for i in range(n)]
+
+
+def test_a_consistent_spike_with_a_calm_loss_is_a_new_level_after_calm_shift_steps():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    kinds = _shift_kinds(pol, lambda i: 1.0)  # the loss stays where it was: the weights, not the batch
+    assert kinds[0] == REFUSE and all(k != REFUSE for k in kinds[1:])
+    assert pol.calm_refused == 0
+
+
+def test_consistent_spikes_whose_loss_jumps_need_level_shift_steps():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    kinds = _shift_kinds(pol, lambda i: 100.0)  # five (consistent) bad batches: the loss jumps with them
+    assert kinds[:5] == [REFUSE] * 5 and kinds[5] != REFUSE  # level_shift_steps = 6
+
+
+@pytest.mark.parametrize("kw,loss", [({}, None), ({"calm_shift_steps": None}, 1.0),
+                                     ({"instability_clip": None}, 1.0), ({"graded": False}, 1.0)])
+def test_without_a_loss_or_with_the_rule_off_a_calm_spike_needs_level_shift_steps(kw, loss):
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20, **kw)
+    warm(pol, 200, loss=1.0)
+    assert pol.calm_shift_steps is None or loss is None
+    kinds = _shift_kinds(pol, lambda i: loss)
+    assert kinds[:5] == [REFUSE] * 5 and kinds[5] != REFUSE
+
+
+def test_a_run_that_began_with_a_jumped_loss_is_not_calm():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    # the run began with a jumped loss: calm steps after it do not make it calm, level_shift_steps applies
+    kinds = _shift_kinds(pol, lambda i: 100.0 if i == 0 else 1.0, n=6)
+    assert kinds[:5] == [REFUSE] * 5 and kinds[5] != REFUSE
+
+
+def test_calm_shift_steps_three_refuses_twice():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20, calm_shift_steps=3)
+    warm(pol, 200)
+    kinds = _shift_kinds(pol, lambda i: 1.0)
+    assert kinds[:2] == [REFUSE] * 2 and all(k != REFUSE for k in kinds[2:])
+
+
+def test_the_calm_count_survives_a_state_round_trip():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    assert feed(pol, [40.0, 1.0], 1.0).kind == REFUSE
+    state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
+    assert state["calm_refused"] == 1
+    other = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    other.load_state_dict(state)
+    a, b = pol.decide([41.0, 1.0], None, 41.0, 1.0), other.decide([41.0, 1.0], None, 41.0, 1.0)
+    assert a.kind == b.kind == ACCEPT or (a.kind == b.kind and a.kind != REFUSE)
+    assert a.consistent_shift == b.consistent_shift == [0] and a.calm_shift == b.calm_shift == [0]
+
+
+@pytest.mark.parametrize("loss", [None, math.nan, math.inf, 1e9])
+def test_loss_trend_calm_is_false_for_missing_non_finite_or_jumped_losses(loss):
+    t = LossTrend()
+    for i in range(30):
+        t.add(2.0 + 0.01 * (-1) ** i)
+    assert t.calm(2.0) and not t.calm(loss)
+    young = LossTrend()
+    for _ in range(LossTrend.CALM_AFTER - 1):
+        young.add(2.0)
+    assert not young.calm(2.0)
+
+
+def test_a_burst_accepted_as_a_new_level_is_undone_when_the_layer_comes_back():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    base = pol.detector.ema[0]
+    kinds = _shift_kinds(pol, lambda i: 1.0, n=3)  # a 3-step consistent burst with a calm loss
+    assert kinds[0] == REFUSE and kinds[1:] != [REFUSE] * 2 and 0 in pol.provisional
+    assert pol.detector.ema[0] > 30 * base  # taken for a new level...
+    feed(pol, [1.0, 1.0], 1.0)  # ...until the layer is back at its old level: the old baseline returns
+    # (the present norm, 1.0, is under it; a higher one within outlier_ratio would be the new start)
+    assert pol.restored and pol.restored[0][0] == 0 and pol.restored[0][2] == base
+    assert pol.detector.ema[0] == base and not pol.provisional
+    assert feed(pol, [40.0, 1.0], 1.0).kind == REFUSE  # not blind to the next spike
+
+
+def test_a_lasting_new_level_stays_and_stops_being_provisional():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    _shift_kinds(pol, lambda i: 1.0, n=25)  # 25 steps at x40: longer than level_shift_patience
+    assert not pol.provisional and pol.detector.ema[0] > 30
+    feed(pol, [1.0, 1.0], 1.0)
+    assert not pol.restored and pol.detector.ema[0] > 30  # a drop after that is not undone
+
+
+def test_a_burst_accepted_without_a_loss_after_level_shift_steps_is_undone_too():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    base = pol.detector.ema[0]
+    kinds = _shift_kinds(pol, lambda i: None, n=7)
+    assert kinds[:5] == [REFUSE] * 5 and 0 in pol.provisional
+    feed(pol, [1.1, 1.0])
+    assert pol.restored and pol.detector.ema[0] < 1.2 * base
+
+
+def test_a_provisional_level_survives_a_state_round_trip():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    _shift_kinds(pol, lambda i: 1.0, n=3)
+    state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
+    assert state["provisional"]["a"]["left"] == 19
+    other = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    other.load_state_dict(state)
+    assert other.provisional == pol.provisional
+    for p in (pol, other):
+        feed(p, [1.0, 1.0], 1.0)
+    assert pol.restored == other.restored and pol.detector.ema == other.detector.ema
+
+
+def _young(pol, norms):
+    return [feed(pol, [n / math.sqrt(2)] * 2) for n in norms]
+
+
+def test_early_clip_scales_back_a_global_jump_before_any_layer_is_covered():
+    pol = make(warmup_steps=10)
+    vs = _young(pol, [1.0, 1.2, 0.9, 50.0])  # from the 4th step: x50 over the young mean
+    assert [v.kind for v in vs[:3]] == [ACCEPT] * 3
+    v = vs[3]
+    mean = (1.0 + 1.2 + 0.9) / 3
+    assert v.kind == CLIP and v.reasons == ("warmup",) and v.global_ratio == pytest.approx(50.0 / mean)
+    assert v.factors == [pytest.approx(3.0 * mean / 50.0)] * 2
+    assert pol.global_ema == pytest.approx(mean + (3.0 * mean - mean) / 4)  # fed the scaled-back norm
+
+
+def test_early_clip_leaves_ordinary_warm_up_growth_alone():
+    pol = make(warmup_steps=10)
+    assert all(v.kind == ACCEPT for v in _young(pol, [0.1 * 1.8 ** i for i in range(10)]))  # x1.8 a step
+    assert all(v.kind == ACCEPT for v in _young(make(warmup_steps=10), [1.0, 1.0, 60.0]))  # third step: too young
+
+
+@pytest.mark.parametrize("kw", [{"early_clip": False}, {"graded": False}])
+def test_early_clip_off(kw):
+    assert _young(make(warmup_steps=10, **kw), [1.0, 1.0, 1.0, 50.0])[3].kind == ACCEPT
+
+
+def test_after_warm_up_the_global_outlier_rule_takes_over():
+    pol = make(warmup_steps=5)
+    vs = _young(pol, [1.0] * 5 + [5.0])
+    assert vs[5].kind == CLIP and "global" in vs[5].reasons and "warmup" not in vs[5].reasons
+
+
+def test_a_layer_back_above_its_old_baseline_restarts_from_its_present_norm():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    base = pol.detector.ema[0]
+    _shift_kinds(pol, lambda i: 1.0, n=3)
+    feed(pol, [2.5 * base, 1.0], 1.0)  # back within outlier_ratio, but higher than before the burst
+    assert pol.restored and pol.detector.ema[0] == 2.5 * base
+
+
+def test_without_the_graded_response_a_level_is_never_provisional():
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20, graded=False)
+    warm(pol, 200)
+    _shift_kinds(pol, lambda i: None, n=7)
+    feed(pol, [1.0, 1.0])
+    assert not pol.provisional and not pol.restored and pol.detector.ema[0] > 30

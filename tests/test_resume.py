@@ -31,6 +31,7 @@ CONFIGS = {
     "helene": {"enable_helene": True, "helene_refresh_steps": 4},
     "clip": {"clip_grad_norm": 0.5},
     "instability": {},  # the default guard through a sustained loss rise that spans the cut (RISE)
+    "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
     "everything": {"nan_action": "rollback", "rollback_interval": 5, "enable_spam": True,
                    "enable_auto_calibration": True, "auto_calibration_warmup_steps": 12, "enable_helene": True,
@@ -41,6 +42,9 @@ CONFIGS = {
 #: Steps whose loss (and so gradients) is x3: a sustained rise the loss trend calls an instability, under way
 #: at the checkpoint (config "instability" only).
 RISE = range(22, 42)
+#: Steps where one layer's gradient is x30 with an ordinary loss: refused at the last step before the
+#: checkpoint, accepted as a new level at the first one after it (calm_shift_steps=2; config "calm_shift").
+SHIFT = range(CUT - 1, CUT + 4)
 
 
 def _batches():
@@ -55,7 +59,7 @@ def _build(cfg):
     return model, opt
 
 
-def _train(model, opt, batches, start, stop, rise=False):
+def _train(model, opt, batches, start, stop, rise=False, shift=False):
     for step in range(start, stop):
         x, y = batches[step]
         loss = model.loss(x, y)
@@ -66,6 +70,8 @@ def _train(model, opt, batches, start, stop, rise=False):
         loss.backward()
         if step in FAULTS:
             FAULTS[step](model)
+        if shift and step in SHIFT:
+            scale_grad(model.blocks[1].mlp.fc, 30.0)
         opt.step(loss=loss)
         opt.zero_grad()
 
@@ -74,16 +80,17 @@ def _train(model, opt, batches, start, stop, rise=False):
 def test_resumed_run_equals_uninterrupted_bit_for_bit(name):
     cfg = CONFIGS[name]
     batches = _batches()
-    rise = name == "instability"
+    rise, shift = name == "instability", name == "calm_shift"
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, STEPS, rise)
+    _train(model, opt, batches, 0, STEPS, rise, shift)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_counters = opt.counters
     opt.close()
 
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, CUT, rise)
+    _train(model, opt, batches, 0, CUT, rise, shift)
     assert opt._policy.unstable == rise  # the instability is under way at the checkpoint
+    assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     opt.close()
@@ -92,7 +99,7 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name):
     model, opt = _build(cfg)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    _train(model, opt, batches, CUT, STEPS, rise)
+    _train(model, opt, batches, CUT, STEPS, rise, shift)
     for k, v in model.state_dict().items():  # bit for bit (NaN where monitor mode let a NaN step through)
         torch.testing.assert_close(v, ref[k], rtol=0, atol=0, equal_nan=True, msg=f"{name}: {k} differs after resume")
     assert opt.counters == ref_counters
@@ -106,4 +113,15 @@ def test_the_scenario_exercises_every_response():
     _train(model, opt, batches, 0, STEPS)
     c = opt.counters
     assert c.spikes >= 2 and c.nonfinite == 1 and c.rollbacks == c.spikes + c.nonfinite and c.clipped >= 1
+    opt.close()
+
+
+def test_the_calm_shift_scenario_is_refused_once_then_accepted():
+    """Config "calm_shift": the x30 layer is refused at the step before the cut and accepted after it."""
+    batches = _batches()
+    model, opt = _build({})
+    _train(model, opt, batches, 0, CUT, shift=True)
+    before = opt.counters.skipped
+    _train(model, opt, batches, CUT, CUT + 1, shift=True)
+    assert opt.counters.skipped == before and opt.counters.baseline_resets >= 1
     opt.close()

@@ -407,7 +407,7 @@ def postmortem_markdown(
         rows.append(f"| would have been refused (monitor mode) | {s['would_refuse']} |")
     rows += [f"| loss spike score | {_pct(s['spike_score_loss'])} |",
              f"| grad-norm spike score | {_pct(s['spike_score_grad_norm'])} |",
-             f"| baseline resets (accepted level shifts) | {s['baseline_resets']} |",
+             f"| baseline resets (level shifts accepted or undone) | {s['baseline_resets']} |",
              f"| final loss | {_fmt(s['final_loss'])} |",
              f"| most problematic layer | {md_escape(s['top_layer']) if s['top_layer'] else 'none'} |",
              f"| spike layers | {', '.join(md_escape(l) for l in s['spike_layers'][:8]) or 'none'} |"]
