@@ -131,6 +131,14 @@ class GuardConfig:
     LR too high from the start blows the gradient up within a few steps, before any baseline exists.
     Never fired on the clean runs of ``bench/protection.py``. Only with ``graded_response``."""
 
+    coherent_share: Optional[float] = 0.5
+    """A critical step (a layer over ``spike_threshold``) whose loss is calm (not above its recent level
+    by ``instability_z`` noise units) and where at least this share of the other covered layers (those
+    under ``spike_threshold``) is over ``outlier_ratio`` is a coherent rise of the whole network, not a
+    fault: the layers under
+    ``spike_jump`` x ``spike_threshold`` are scaled back to ``outlier_ratio`` instead of refused (in
+    (0, 1]; ``None``: off; only with ``graded_response`` and ``instability_clip``, and a loss)."""
+
     flight_recorder_steps: int = 64
     """Steps of per-step numbers (global norm, loss, LR, max ratio, action) attached to every incident."""
 
@@ -273,6 +281,8 @@ class GuardConfig:
         _check_int("loss_window", self.loss_window, low=20)
         _check_int("level_shift_steps", self.level_shift_steps, low=2)
         _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
+        if self.coherent_share is not None:
+            _check_number("coherent_share", self.coherent_share, low=0.0, low_inclusive=False, high=1.0)
         if not isinstance(self.early_clip, bool):
             raise ConfigError(f"early_clip must be True or False; got {self.early_clip!r}")
         if self.calm_shift_steps is not None:

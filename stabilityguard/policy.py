@@ -24,6 +24,14 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   training, a drift) is an outlier: taken and scaled back. Faults jump (a bit
   flip, a bad batch: x50 to x1e4 from one step to the next); a gradient that grows over several steps is
   the model's, and refusing it would also refuse the gradient that corrects it.
+* **a coherent rise with a calm loss is the model's** (``coherent_share``): when at least that share of
+  the other covered layers (under their spike threshold) is over ``outlier_ratio`` and the loss is
+  ordinary (:meth:`LossTrend.calm`), the
+  layers over ``spike_threshold`` but under the runaway bound are scaled back instead of refused. Faults
+  hit one layer (a flipped bit, a bad kernel) or move the loss with the gradient (a bad batch); the
+  whole network's gradient rising together at an ordinary loss is the model in a sharp region (an
+  overshoot at the end of a warm-up), where refusing leaves it in place: the next batch gives the
+  same gradient.
 * **the global norm is held during a loss instability** (``instability_clip``): :class:`LossTrend` says
   when the loss has risen, in a sustained way, above its recent level. From then until the loss is back
   (or ``loss_window`` steps have passed), the global norm is capped at ``instability_clip`` times its
@@ -55,10 +63,10 @@ stayed calm on every step of a consistent run (:meth:`LossTrend.calm`), ``calm_s
 enough: a refused step leaves the weights as they were, so a gradient that comes back the same on a new
 batch, with an ordinary loss, is the model's (an overshoot of the warm-up, a new level), and refusing
 it again cannot change it; bad batches move the loss with the gradient. A level accepted early (either
-way) is provisional for ``level_shift_patience`` accepted steps: a layer that comes back to within
-``outlier_ratio`` of its old baseline restarts from that baseline or its present norm, whichever is
-higher (:attr:`GuardPolicy.restored`), so a burst taken for a new level does not leave the layer blind
-while the EMA comes down.
+way) is provisional for ``level_shift_patience`` accepted steps: a layer that falls back in one step
+(by ``spike_jump``) to within ``outlier_ratio`` of its old baseline restarts from that baseline or its
+present norm, whichever is higher (:attr:`GuardPolicy.restored`), so a burst taken for a new level does
+not leave the layer blind while the EMA comes down.
 
 Example:
     >>> pol = GuardPolicy(["fc"], 1, [0], spike_threshold=10, ema_alpha=0.1, warmup_steps=2)
@@ -316,6 +324,8 @@ class GuardPolicy:
             new level is accepted (``None``: ``level_shift_steps`` for every run).
         early_clip: Before ``warmup_steps``, scale a global norm over ``spike_threshold`` x the mean of the
             steps so far back to ``outlier_ratio`` x that mean (only with ``graded``).
+        coherent_share: Share of the covered layers over ``outlier_ratio`` that, with a calm loss, makes a
+            critical step a coherent rise of the network: scaled back, not refused (``None``: off).
     """
 
     #: Accepted steps the global norm's young mean needs before ``early_clip`` uses it.
@@ -342,9 +352,12 @@ class GuardPolicy:
         spike_jump: Optional[float] = 4.0,
         calm_shift_steps: Optional[int] = 2,
         early_clip: bool = True,
+        coherent_share: Optional[float] = 0.5,
     ) -> None:
         self.spike_jump = float(spike_jump) if (graded and spike_jump is not None) else None
         self.early_clip = bool(graded and early_clip)
+        self.coherent_share = (float(coherent_share) if (graded and instability_clip is not None
+                                                          and coherent_share is not None) else None)
         self.last: Optional[List[float]] = None  # the last accepted step's layer norms (for spike_jump)
         self.instability_clip = float(instability_clip) if instability_clip is not None else None
         self.trend: Optional[LossTrend] = None
@@ -389,7 +402,8 @@ class GuardPolicy:
                    loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
                    level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread,
                    instability_clip=cfg.instability_clip, instability_z=cfg.instability_z,
-                   spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip)
+                   spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip,
+                   coherent_share=cfg.coherent_share)
 
     @property
     def unstable(self) -> bool:
@@ -413,6 +427,10 @@ class GuardPolicy:
                        if m and last[i] > 0 and values[i] < jump * last[i] and decision.ratios[i] < jump * det.limit(i)]
             if gradual:
                 decision = _unspike(decision, gradual)
+        if not decision.accepted and self.coherent_share is not None:
+            coherent = self._coherent_rise(decision, loss)
+            if coherent:
+                decision = _unspike(decision, coherent)
         z = self.loss.zscore(loss) if self.loss is not None else None
         if not decision.accepted:
             return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early, calm_shift=calm)
@@ -449,6 +467,21 @@ class GuardPolicy:
         if factors is None:
             return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early, calm_shift=calm)
         return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm)
+
+    def _coherent_rise(self, decision: Decision, loss: Optional[float]) -> List[int]:
+        """``coherent_share``: with a calm loss and at least that share of the other covered layers (those
+        under their spike threshold) over ``outlier_ratio``, the spiking layers under the runaway bound
+        (``spike_jump`` x their threshold); ``[]`` otherwise."""
+        mask = decision.spike_mask
+        assert mask is not None and self.coherent_share is not None
+        if self.trend is None or not self.trend.calm(loss):
+            return []
+        # the rest of the network: covered, present (ratio not NaN) and not spiking
+        rest = [r for i, r in enumerate(decision.ratios[: self.n_layers]) if r == r and not mask[i]]
+        if not rest or sum(1 for r in rest if r > self.outlier_ratio) < self.coherent_share * len(rest):
+            return []
+        bound, det = self.spike_jump or 1.0, self.detector
+        return [i for i, m in enumerate(mask) if m and decision.ratios[i] < bound * det.limit(i)]
 
     def _young(self, global_norm: float) -> bool:
         """``early_clip``: before ``warmup_steps``, from the ``EARLY_MIN``-th step, is the global norm over
@@ -573,7 +606,8 @@ class GuardPolicy:
                             present: Optional[Sequence[bool]]) -> None:
         """A new level accepted early (a consistent run shorter than ``level_shift_patience``) is
         provisional: if the layer comes back to its old level (within ``outlier_ratio`` of the old
-        baseline) in the next ``level_shift_patience`` accepted steps, it was a burst, and its baselines
+        baseline) in one step (its norm falls by ``spike_jump`` or more) in the next
+        ``level_shift_patience`` accepted steps, it was a burst, and its baselines
         restart from the old ones or the present norms, whichever is higher (they would otherwise take
         hundreds of steps to come back down, and the layer would be blind to spikes meanwhile; the
         present norm, when higher, is where a layer still growing naturally now stands)."""
@@ -586,7 +620,9 @@ class GuardPolicy:
                 if present is not None and not present[i]:
                     continue
                 old, left = self.provisional[i]
-                if values[i] <= self.outlier_ratio * old[i]:  # back: the baseline restarts from here
+                # back, and suddenly (a burst ends as it began; a new level can also fade with the run):
+                # the baseline restarts from here
+                if values[i] <= self.outlier_ratio * old[i] and self._dropped(i, values[i]):
                     back = {j: max(v, values[j]) for j, v in old.items()}
                     self.restored.append((i, det.ema[i], back[i]))
                     for j, v in back.items():
@@ -601,6 +637,13 @@ class GuardPolicy:
                 {j: before[j] for j, g in enumerate(group) if g == i and math.isfinite(before[j])}
             if i in old and old[i] > 0:
                 self.provisional[i] = (old, det.patience)
+
+    def _dropped(self, i: int, value: float) -> bool:
+        """Did layer ``i`` fall by ``spike_jump`` from its last accepted norm? (``True`` when ``spike_jump``
+        is off: no last norms are kept, the level alone decides.)"""
+        if self.last is None:
+            return True
+        return value * (self.spike_jump or 1.0) <= self.last[i]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:

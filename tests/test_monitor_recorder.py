@@ -143,7 +143,12 @@ def test_flight_recorder_size_is_validated(size):
                                      ({"calm_shift_steps": "2"}, "calm_shift_steps"),
                                      ({"calm_shift_steps": True}, "calm_shift_steps"),
                                      ({"early_clip": "yes"}, "early_clip"), ({"early_clip": 1}, "early_clip"),
-                                     ({"early_clip": None}, "early_clip")])
+                                     ({"early_clip": None}, "early_clip"),
+                                     ({"coherent_share": 0}, "coherent_share"),
+                                     ({"coherent_share": 1.5}, "coherent_share"),
+                                     ({"coherent_share": "0.5"}, "coherent_share"),
+                                     ({"coherent_share": True}, "coherent_share"),
+                                     ({"coherent_share": float("nan")}, "coherent_share")])
 def test_graded_settings_are_validated(kw, name):
     from stabilityguard import ConfigError
 
@@ -162,6 +167,9 @@ def test_instability_settings_take_numpy_and_tensor_scalars_and_none():
     assert all(type(v) in (int, float) for v in (cfg.instability_clip, cfg.instability_z, cfg.spike_jump))
     assert type(cfg.calm_shift_steps) is int
     assert GuardConfig(early_clip=np.bool_(False), verbose=False).early_clip is False
+    share = GuardConfig(coherent_share=np.float32(0.25), verbose=False).coherent_share
+    assert share == 0.25 and type(share) is float
+    assert GuardConfig(coherent_share=None, verbose=False).coherent_share is None
     off = GuardConfig(instability_clip=None, spike_jump=None, calm_shift_steps=None, verbose=False)
     assert off.instability_clip is None and off.spike_jump is None and off.calm_shift_steps is None
 

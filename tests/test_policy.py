@@ -501,3 +501,63 @@ def test_without_the_graded_response_a_level_is_never_provisional():
     _shift_kinds(pol, lambda i: None, n=7)
     feed(pol, [1.0, 1.0])
     assert not pol.provisional and not pol.restored and pol.detector.ema[0] > 30
+
+
+def test_a_new_level_that_fades_gradually_is_not_undone():
+    """A burst ends as suddenly as it began; a genuine new level can fade with the run (gradient norms
+    falling as the loss does): that is followed by the EMA, not undone."""
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    _shift_kinds(pol, lambda i: 1.0, n=3)  # a new level at x40, accepted after one refusal
+    level = pol.detector.ema[0]
+    x = 40.0
+    for _ in range(15):  # falls 25% a step: to 40 x 0.75^15 = 0.5, under outlier_ratio x the old baseline
+        x *= 0.75
+        feed(pol, [x, 1.0], 1.0)
+        assert not pol.restored
+    assert x < 3.0 and pol.detector.ema[0] > 0.5 * level
+
+
+def make4(**kw):
+    kw.setdefault("spike_threshold", 10.0)
+    kw.setdefault("ema_alpha", 0.01)
+    kw.setdefault("warmup_steps", 10)
+    return GuardPolicy(["a", "b", "c", "d"], 4, [0, 1, 2, 3], **kw)
+
+
+def warm4(pol, steps=200):
+    rng = random.Random(5)
+    for _ in range(steps):
+        vals = [1.0 + 0.05 * rng.random() for _ in range(4)]
+        v = pol.decide(vals, None, 2.0, 1.0 + 0.01 * rng.random())
+        pol.commit(v, vals, None, 1.0 + 0.01 * rng.random(), 2.0)
+
+
+def test_a_coherent_rise_with_a_calm_loss_is_scaled_back_not_refused():
+    pol = make4()
+    warm4(pol)
+    v = pol.decide([20.0, 5.0, 5.0, 4.0], None, 17.0, 1.0)  # the whole network up, the loss ordinary
+    assert v.kind == CLIP and "layer" in v.reasons
+    assert v.factors[0] == pytest.approx(3.0 / v.decision.ratios[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("vals,loss,kw", [
+    ([20.0, 5.0, 5.0, 4.0], 100.0, {}),  # the loss jumped with it: a bad batch
+    ([20.0, 5.0, 5.0, 4.0], None, {}),  # no loss: nothing says it is calm
+    ([20.0, 1.0, 1.0, 1.0], 1.0, {}),  # one layer alone: a fault
+    ([20.0, 5.0, 1.0, 1.0], 1.0, {}),  # a third of the rest is not half
+    ([50.0, 5.0, 5.0, 4.0], 1.0, {}),  # a runaway (over spike_jump x spike_threshold)
+    ([20.0, 5.0, 5.0, 4.0], 1.0, {"coherent_share": None}),
+    ([20.0, 5.0, 5.0, 4.0], 1.0, {"instability_clip": None}),
+])
+def test_what_a_coherent_rise_is_not(vals, loss, kw):
+    pol = make4(**kw)
+    warm4(pol)
+    assert pol.decide(vals, None, 26.0, loss).kind == REFUSE
+
+
+def test_coherent_share_one_needs_every_other_layer():
+    pol = make4(coherent_share=1.0)
+    warm4(pol)
+    assert pol.decide([20.0, 5.0, 5.0, 1.0], None, 21.0, 1.0).kind == REFUSE
+    assert pol.decide([20.0, 5.0, 5.0, 4.0], None, 21.0, 1.0).kind == CLIP
