@@ -91,27 +91,27 @@ class BufferGuard:
         self.versions = [[b._version for b in g] for g in self.groups]
 
     def _changed(self) -> List[int]:
-        return [i for i, (g, vs) in enumerate(zip(self.groups, self.versions))
-                if any(b._version != v for b, v in zip(g, vs))]
+        return [i for i, (g, vs) in enumerate(zip(self.groups, self.versions)) if [b._version for b in g] != vs]
 
     def _copy(self, dst: List[List[torch.Tensor]], src: List[List[torch.Tensor]], idx: List[int]) -> None:
         torch._foreach_copy_([t for i in idx for t in dst[i]], [t for i in idx for t in src[i]])
         for i in idx:
             self.versions[i] = [b._version for b in self.groups[i]]
 
-    @torch.no_grad()
     def mark(self) -> None:
-        """Record the current buffers as the state to return to."""
+        """Record the current buffers as the state to return to (runs after every step: the grad mode is
+        switched only when there is something to copy)."""
         idx = self._changed()
         if idx:
-            self._copy(self.backup, self.groups, idx)
+            with torch.no_grad():
+                self._copy(self.backup, self.groups, idx)
 
-    @torch.no_grad()
     def restore(self) -> int:
         """Put back the buffers of every module changed since :meth:`mark`; returns how many buffers."""
         idx = self._changed()
         if idx:
-            self._copy(self.groups, self.backup, idx)
+            with torch.no_grad():
+                self._copy(self.groups, self.backup, idx)
         return sum(len(self.groups[i]) for i in idx)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import truediv
 from typing import Any, Dict, List, Optional, Sequence
 
 
@@ -127,7 +128,7 @@ class SpikeDetector:
         nd, thr, ema = self.n_detect, self.threshold, self.ema
         lim = self.limits
         if present is None and self._all_ready and nd:
-            ratios = [v / e for v, e in zip(values[:nd], ema)]  # baselines are > 0 once warmed up
+            ratios = list(map(truediv, values[:nd], ema))  # baselines are > 0 once warmed up
             r = max(ratios)
             if self.suspended or (r <= thr if lim is None else all(x <= t for x, t in zip(ratios, lim))):
                 return Decision(ratios, None, None, -1, ratios.index(r), r)  # the common case: no spike

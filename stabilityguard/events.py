@@ -12,6 +12,7 @@ import math
 import time as _time
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from functools import lru_cache
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
 SCHEMA_VERSION = "1.5"
@@ -70,6 +71,12 @@ def json_float(value: Any) -> Optional[float]:
     return value if math.isfinite(value) else None
 
 
+@lru_cache(maxsize=None)
+def _field_names(cls: type) -> tuple:
+    """The field names of a record class, in order (``dataclasses.fields`` rebuilds them on every call)."""
+    return tuple(f.name for f in fields(cls))
+
+
 @dataclass(frozen=True, kw_only=True)
 class GuardEvent:
     """Fields common to every record.
@@ -90,9 +97,9 @@ class GuardEvent:
     def to_dict(self) -> Dict[str, Any]:
         """Return the record as a dict of JSON-native values, ``schema_version`` and ``kind`` first."""
         out: Dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": self.kind.value}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = value.value if isinstance(value, Enum) else value
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
+            out[name] = value.value if isinstance(value, Enum) else value
         return out
 
     @staticmethod

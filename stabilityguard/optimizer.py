@@ -293,7 +293,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if stats.loss is not None and math.isfinite(stats.loss):
                 self.counters.last_loss = stats.loss
             self._containment.buffers.mark()
-        self._log.flight_records(step)
+        if self._log.recorder.open:  # flight records fall due only after an incident
+            self._log.flight_records(step)
         if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
             self._log.summary(step, stats, self._lr(), *self._features.post_clip(self._clip_input))
         if error is not None:
@@ -304,7 +305,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         pol = self._policy
         verdict = pol.decide(stats.values, stats.present, stats.global_norm, stats.loss)
         before = pol.commit(verdict, stats.values, stats.present, stats.loss, stats.global_norm)
-        self._log.baseline_resets(step, verdict, before, stats.values, self.config, pol.restored)
+        if verdict.decision.level_shift is not None or pol.restored:  # a baseline moved or was put back
+            self._log.baseline_resets(step, verdict, before, stats.values, self.config, pol.restored)
         if verdict.kind != REFUSE:
             self._accept(step, stats, verdict)
             return None
@@ -317,7 +319,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict]) -> None:
         """Take the step: calibration, scaled back for an outlier, optional clipping, the wrapped step."""
         decision = verdict.decision if verdict is not None else None
-        self._features.before_update(step, decision, self._index, self._policy, self._log.events)
+        features = self._features
+        if features.calibrator is not None or features.eos is not None:  # the features that watch updates
+            features.before_update(step, decision, self._index, self._policy, self._log.events)
         # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
         # predate a framework's own clipping, so they are not scaled again (see measure()).
         factors, record = None, "accepted"

@@ -15,6 +15,7 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from operator import itemgetter, mul
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -128,6 +129,16 @@ class ParamIndex:
         return out
 
 
+def _parts_getter(members: List[int]) -> Callable[[List[float]], Sequence[float]]:
+    """A function that picks the entries at ``members`` (ascending, not empty) out of a list, in that
+    order: one slice where they are contiguous (a layer's weight and bias, usually), else one
+    ``itemgetter``. Built once per collector, so a step's layer sums index nothing in Python."""
+    first, last = members[0], members[-1]
+    if last - first + 1 == len(members):
+        return itemgetter(slice(first, last + 1))
+    return itemgetter(*members)  # two or more entries: a tuple
+
+
 @dataclass
 class GradStats:
     """Statistics of one step's gradients, on the host, as plain Python floats.
@@ -174,7 +185,9 @@ class GradStats:
 
     @property
     def finite(self) -> bool:
-        return self.grads_finite and self.loss_finite
+        """True when every present gradient and the loss are free of NaN/Inf (``grads_finite`` and
+        ``loss_finite``, read once per step: spelled out)."""
+        return math.isfinite(self.global_norm) and (self.loss is None or math.isfinite(self.loss))
 
 
 LossLike = Union[torch.Tensor, float, int, None]
@@ -215,9 +228,11 @@ class GradStatsCollector:
         self.update_step = -1  #: the step whose update size :meth:`measure_update` measured last
         self._weights: Optional[torch.Tensor] = None  # per-entry weights of the cross-rank sum
         self._n_layers = index.n_layers
+        self._params = index.params
         self._members: List[List[int]] = [[] for _ in range(index.n_layers)]
         for i, layer in enumerate(index.layer_of_param.tolist()):
             self._members[layer].append(i)
+        self._layer_parts = [_parts_getter(members) for members in self._members]
         kinds = {(p.device, p.dtype) for p in index.params}
         self._uniform = len(kinds) == 1
         self._norm_dtype: Optional[torch.dtype] = None
@@ -241,7 +256,7 @@ class GradStatsCollector:
 
     def collect(self, loss: LossLike = None) -> GradStats:
         """Measure the current ``.grad`` of every watched parameter (and the loss, if given)."""
-        grads = [p.grad for p in self.index.params]
+        grads = [p.grad for p in self._params]
         if self._world > 1:
             return self._collect_distributed(grads, loss)
         norms = None
@@ -279,9 +294,9 @@ class GradStatsCollector:
 
     def _finish(self, param_norms: List[float], param_present: Optional[List[bool]], loss: Optional[float],
                 ridden: Optional[float] = None) -> GradStats:
-        sq = [v * v for v in param_norms]
-        layer_sq = [sum([sq[i] for i in members]) for members in self._members]
-        values = [math.sqrt(v) for v in layer_sq]
+        sq = list(map(mul, param_norms, param_norms))
+        layer_sq = [sum(part(sq)) for part in self._layer_parts]  # each layer's, in model order
+        values = list(map(math.sqrt, layer_sq))
         values += param_norms
         present = None
         if param_present is not None:
