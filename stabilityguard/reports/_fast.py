@@ -203,18 +203,30 @@ def _finish(n: int, run_id: str, step: Any, rank: Any, counts: Any, floats: Any,
     return c
 
 
+def json_alike(blob: bytes) -> bool:
+    """Whether pyarrow's JSON reader can only read ``blob`` as ``json`` reads it (else: the careful path).
+
+    No NUL byte and valid UTF-8 (as ``json.loads`` of bytes needs), and no ``-NaN``, which pyarrow reads
+    as NaN where ``json`` reports a corrupt line (``Infinity``, ``Inf``, ``-Inf``, read by pyarrow, give
+    infinite numbers, which the callers send to the careful path).
+    """
+    if b"\x00" in blob or b"-NaN" in blob:
+        return False
+    if not blob.isascii():
+        try:
+            blob.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
 def decode_summaries(lines: Sequence[bytes], readable: Any) -> Optional[SummaryColumns]:
     """Decode and check summary lines; ``None`` unless every line reads as the careful path reads it."""
     if not available():
         return None
     blob = b"\n".join(lines)
-    if b"\x00" in blob:
+    if not json_alike(blob):
         return None
-    if not blob.isascii():
-        try:
-            blob.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
     if b"\\" in blob or b"[" in blob or blob.count(b"{") != len(lines):
         return None  # escapes or nesting: read line by line
     return _decode_arrow(blob, len(lines), readable)
