@@ -106,23 +106,29 @@ def available() -> bool:
     return _pa is not None
 
 
-def prefetch(blocks: Iterator[Any], prepare: Any) -> Iterator[Any]:
-    """``map(prepare, blocks)``, each block prepared in a second thread while the caller uses the previous one.
+#: Threads that prepare blocks (each decodes with pyarrow in the thread itself, without the GIL).
+PREFETCH_THREADS = 2
 
-    pyarrow decodes without the GIL, so the decoding of the next block's summaries runs beside the
-    caller's reading of this block's other records (on a second core, when there is one).
+
+def prefetch(blocks: Iterator[Any], prepare: Any) -> Iterator[Any]:
+    """``map(prepare, blocks)``, the next blocks prepared in :data:`PREFETCH_THREADS` threads meanwhile.
+
+    pyarrow decodes without the GIL, so the decoding of the next blocks runs beside the caller's reading
+    of this block's other records. Each decoding runs in its preparing thread (``use_threads=False``):
+    pyarrow's own pool has one thread under ``OMP_NUM_THREADS=1``, which made the decoding of a block
+    wait for it while the caller, whose work the fast path has shrunk, waited for the block (measured).
     """
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(1, thread_name_prefix="stabilityguard-load") as ex:
-        pending = None
+    with ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="stabilityguard-load") as ex:
+        pending: Any = deque()
         for block in blocks:
-            nxt = ex.submit(prepare, block)
-            if pending is not None:
-                yield pending.result()
-            pending = nxt
-        if pending is not None:
-            yield pending.result()
+            pending.append(ex.submit(prepare, block))
+            if len(pending) > PREFETCH_THREADS:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 #: The interpreter's switch interval while a block is decoded beside the caller (seconds; Python's default: 5 ms).
@@ -237,6 +243,11 @@ def decode_summaries(lines: Sequence[bytes], readable: Any) -> Optional[SummaryC
 _SCHEMA = None
 
 
+def read_options() -> Any:
+    """pyarrow's JSON read options: decode in the calling thread (see :func:`prefetch`)."""
+    return _pj.ReadOptions(use_threads=False)
+
+
 def _schema() -> Any:
     global _SCHEMA
     if _SCHEMA is None:
@@ -253,7 +264,7 @@ def _decode_arrow(blob: bytes, n: int, readable: Any) -> Optional[SummaryColumns
     # floats for integers, out-of-range numbers: the block then goes to the careful path. No nesting,
     # no escapes and valid UTF-8 are checked by the caller, so what pyarrow accepts, json reads alike.
     try:
-        tb = _pj.read_json(_pa.py_buffer(blob), parse_options=_pj.ParseOptions(
+        tb = _pj.read_json(_pa.py_buffer(blob), read_options=read_options(), parse_options=_pj.ParseOptions(
             explicit_schema=_schema(), unexpected_field_behavior="ignore"))
     except (_pa.ArrowException, ValueError):
         return None
