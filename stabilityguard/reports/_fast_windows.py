@@ -2,7 +2,7 @@
 
 A spike line of a schema-1.5 log is mostly its 64-step window (a list of flat step objects). Decoding
 those lists with ``json`` and turning them into columns holds the GIL for most of the loading time. Here,
-in the loader's second thread, the window of a candidate line is cut out of the line's bytes, the windows
+in the loader's preparing threads, the window of a candidate line is cut out of the line's bytes, the windows
 of a block are decoded together by pyarrow's JSON reader (in C++, without the GIL), and the line's rest,
 with the number ``0`` standing in the window's place, is what the careful path then reads with ``json``:
 :func:`cut` and :func:`decode` prepare that. ``load.py`` takes the cut line only when its rest reads as
