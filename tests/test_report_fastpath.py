@@ -117,6 +117,9 @@ RAW_EDITS = [
     lambda s: s.replace('"kind":"step_summary"', '"kind":"step_summary","kind":"spike"'),
     lambda s: s + "\n" + '{"kind":"step_summary","junk":"' + "y" * 3000 + '"}',  # a long line
     lambda s: s.replace('"step":', '"step": ', 1),
+    lambda s: s.replace('"loss":', '"loss":-NaN,"y":', 1),  # json rejects -NaN, pyarrow reads it as NaN
+    lambda s: s.replace('"loss":', '"loss":Infinity,"y":', 1),
+    lambda s: s.replace('"loss":', '"loss":Inf,"y":', 1),  # json rejects Inf, pyarrow reads it
 ]
 
 

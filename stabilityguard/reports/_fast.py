@@ -106,23 +106,29 @@ def available() -> bool:
     return _pa is not None
 
 
-def prefetch(blocks: Iterator[Any], prepare: Any) -> Iterator[Any]:
-    """``map(prepare, blocks)``, each block prepared in a second thread while the caller uses the previous one.
+#: Threads that prepare blocks (each decodes with pyarrow in the thread itself, without the GIL).
+PREFETCH_THREADS = 2
 
-    pyarrow decodes without the GIL, so the decoding of the next block's summaries runs beside the
-    caller's reading of this block's other records (on a second core, when there is one).
+
+def prefetch(blocks: Iterator[Any], prepare: Any) -> Iterator[Any]:
+    """``map(prepare, blocks)``, the next blocks prepared in :data:`PREFETCH_THREADS` threads meanwhile.
+
+    pyarrow decodes without the GIL, so the decoding of the next blocks runs beside the caller's reading
+    of this block's other records. Each decoding runs in its preparing thread (``use_threads=False``):
+    pyarrow's own pool has one thread under ``OMP_NUM_THREADS=1``, which made the decoding of a block
+    wait for it while the caller, whose work the fast path has shrunk, waited for the block (measured).
     """
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(1, thread_name_prefix="stabilityguard-load") as ex:
-        pending = None
+    with ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="stabilityguard-load") as ex:
+        pending: Any = deque()
         for block in blocks:
-            nxt = ex.submit(prepare, block)
-            if pending is not None:
-                yield pending.result()
-            pending = nxt
-        if pending is not None:
-            yield pending.result()
+            pending.append(ex.submit(prepare, block))
+            if len(pending) > PREFETCH_THREADS:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 #: The interpreter's switch interval while a block is decoded beside the caller (seconds; Python's default: 5 ms).
@@ -203,19 +209,32 @@ def _finish(n: int, run_id: str, step: Any, rank: Any, counts: Any, floats: Any,
     return c
 
 
+def json_alike(blob: bytes) -> bool:
+    """Whether pyarrow's JSON reader can only read ``blob`` as ``json`` reads it (else: the careful path).
+
+    No NUL byte and valid UTF-8 (as ``json.loads`` of bytes needs), and no ``-NaN``, which pyarrow reads
+    as NaN where ``json`` reports a corrupt line (``Infinity``, ``Inf``, ``-Inf``, read by pyarrow, give
+    infinite numbers, which the callers send to the careful path).
+    """
+    if b"\x00" in blob or (b"N" in blob and b"-NaN" in blob):  # one byte is found 50x faster than four
+        return False
+    if not blob.isascii():
+        try:
+            blob.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
 def decode_summaries(lines: Sequence[bytes], readable: Any) -> Optional[SummaryColumns]:
     """Decode and check summary lines; ``None`` unless every line reads as the careful path reads it."""
     if not available():
         return None
     blob = b"\n".join(lines)
-    if b"\x00" in blob:
+    if not json_alike(blob):
         return None
-    if not blob.isascii():
-        try:
-            blob.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    if b"\\" in blob or b"[" in blob or blob.count(b"{") != len(lines):
+    # (the braces counted by numpy: 5x faster than bytes.count, and without the GIL)
+    if b"\\" in blob or b"[" in blob or np.count_nonzero(np.frombuffer(blob, np.uint8) == 0x7B) != len(lines):
         return None  # escapes or nesting: read line by line
     return _decode_arrow(blob, len(lines), readable)
 
@@ -223,6 +242,11 @@ def decode_summaries(lines: Sequence[bytes], readable: Any) -> Optional[SummaryC
 # -- with pyarrow ---------------------------------------------------------------------------------------
 
 _SCHEMA = None
+
+
+def read_options() -> Any:
+    """pyarrow's JSON read options: decode in the calling thread (see :func:`prefetch`)."""
+    return _pj.ReadOptions(use_threads=False)
 
 
 def _schema() -> Any:
@@ -241,7 +265,7 @@ def _decode_arrow(blob: bytes, n: int, readable: Any) -> Optional[SummaryColumns
     # floats for integers, out-of-range numbers: the block then goes to the careful path. No nesting,
     # no escapes and valid UTF-8 are checked by the caller, so what pyarrow accepts, json reads alike.
     try:
-        tb = _pj.read_json(_pa.py_buffer(blob), parse_options=_pj.ParseOptions(
+        tb = _pj.read_json(_pa.py_buffer(blob), read_options=read_options(), parse_options=_pj.ParseOptions(
             explicit_schema=_schema(), unexpected_field_behavior="ignore"))
     except (_pa.ArrowException, ValueError):
         return None

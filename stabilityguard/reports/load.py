@@ -3,9 +3,10 @@
 Reading is streaming and columnar: the file is read in blocks and numeric columns are kept in compact
 arrays, so a log of a million step summaries loads in seconds without holding a dict per line. With
 pyarrow installed, the well-formed ``step_summary`` lines of a block are decoded together by pyarrow (in
-a second thread, beside the reading of the block's other records) and checked column by column
-(``_fast.py``); a block with anything the careful per-line path would report is read line by line, so
-what is read, and every problem with its line number, is the same either way.
+threads beside the one reading the block's other records) and checked column by column (``_fast.py``),
+and so are the flight-recorder windows of its incident lines (``_fast_windows.py``: the rest of such a
+line is read as below); a block with anything the careful per-line path would report is read line by
+line, so what is read, and every problem with its line number, is the same either way.
 
 Bad input never crashes the loader. Every line that cannot be used is reported as a
 :class:`Problem` (file, line, what was wrong) in ``RunLog.problems``:
@@ -40,7 +41,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 from .._optional import require
 from ..errors import StabilityGuardError
 from ..events import SCHEMA_VERSION, check_schema_version
-from . import _fast
+from . import _fast, _fast_windows
 from ._fast import SUMMARY_FLOATS as _SUMMARY_FLOATS
 from ._fast import SUMMARY_INTS as _SUMMARY_INTS
 from ._fast import SUMMARY_OPTIONAL as _SUMMARY_OPTIONAL
@@ -54,7 +55,7 @@ PathLike = Union[str, Path]
 _SUMMARY_KNOWN = frozenset(("schema_version", "kind", "run_id", "step", "rank", "max_ratio_layer")
                            + _SUMMARY_FLOATS + _SUMMARY_INTS)
 _NAN_ROW = array("d", [float("nan")] * len(_SUMMARY_OPTIONAL))
-_WINDOW_FLOATS = ("global_norm", "loss", "lr", "max_ratio", "update_rms", "loss_z")
+_WINDOW_FLOATS = _fast_windows.FLOATS
 #: Values of the ``action`` field of a flight-recorder window entry (schema 1.5).
 WINDOW_ACTIONS = ("accepted", "clip", "skip", "rollback", "raise", "monitor")
 _ACTION_CODES = {a: i for i, a in enumerate(WINDOW_ACTIONS)}
@@ -62,6 +63,8 @@ _INT_ONLY = frozenset((int,))
 _FLOAT_OR_NONE = frozenset((float, type(None)))
 _STR_ONLY = frozenset((str,))
 _STR_OR_NONE = frozenset((str, type(None)))
+#: Kinds whose ``window`` the fast path may decode (``_fast_windows``).
+_WINDOW_KINDS = frozenset(("spike", "nonfinite", "flight_record"))
 _KNOWN_KINDS = frozenset({"run_start", "step_summary", "spike", "nonfinite", "action", "baseline_reset",
                           "calibration", "sharpness", "eos_warning", "run_end", "flight_record"})
 #: Lines (and spike reports) longer than this are reported and skipped.
@@ -558,13 +561,9 @@ class _RunBuilder:
             if not self._keeps_summaries_of(rank):
                 continue
             n, m = len(self.layer_codes), e - s
-            if not c.coded:  # layer names not coded yet: code them in the order rows name them
-                seq = c.layer[s:e] if c.refused is None else np.column_stack((c.layer[s:e], c.refused[s:e])).ravel()
-                uniq, first = np.unique(seq, return_index=True)
-                for k in uniq[np.argsort(first, kind="stable")].tolist():
-                    if k >= 0 and lut[k] < 0:
-                        lut[k] = self._code(c.names[k])
-                c.coded = bool((lut[:-1] >= 0).all())
+            if not c.coded:
+                self._code_new(c, lut, c.layer[s:e] if c.refused is None
+                               else np.column_stack((c.layer[s:e], c.refused[s:e])).ravel())
             ints = c.ints[s:e]
             ints[:, 2] = self.segment_of_rank.get(rank, 0)
             self.irows.frombytes(memoryview(ints).cast("B"))
@@ -587,8 +586,21 @@ class _RunBuilder:
                 else:
                     self.refused_codes.frombytes(memoryview(lut[ref[s:e]]).cast("B"))
 
-    def _lut(self, c: "_fast.SummaryColumns") -> Any:
-        """Block name index -> this run's layer code (-1: not coded yet; the last entry, for -1, is -1)."""
+    def _code_new(self, c: Any, lut: Any, seq: Any) -> None:
+        """Code the names ``c.names[seq]`` that have no code yet, in the order ``seq`` first names them."""
+        import numpy as np
+
+        uniq, first = np.unique(seq, return_index=True)
+        for k in uniq[np.argsort(first, kind="stable")].tolist():
+            if k >= 0 and lut[k] < 0:
+                lut[k] = self._code(c.names[k])
+        c.coded = bool((lut[:-1] >= 0).all())
+
+    def _lut(self, c: Any) -> Any:
+        """Block name index -> this run's layer code (-1: not coded yet; the last entry, for -1, is -1).
+
+        ``c``: a block's ``_fast.SummaryColumns`` or ``_fast_windows.WindowColumns`` (it keeps ``lut``).
+        """
         import numpy as np
 
         lut = c.lut
@@ -606,6 +618,10 @@ class _RunBuilder:
             return
         key = (seg, incident_step, phase)
         if key in self.windows_seen:
+            return
+        if isinstance(window, _fast_windows.Window):
+            self.windows_seen.add(key)
+            self._add_decoded_window(window, incident_step, seg, phase)
             return
         if not isinstance(window, list):
             chk._complain("window", window, "a list of step objects")
@@ -649,13 +665,10 @@ class _RunBuilder:
                         clean.append(_NAN)
                 col = array("d", clean)
             cols[k] = col
-        n = len(entries)
-        w["incident_step"].extend(array("q", [incident_step]) * n)
+        self._add_window_keys(incident_step, seg, phase, len(entries))
         w["step"].extend(array("q", steps))
         for k in _WINDOW_FLOATS:
             w[k].extend(cols[k])
-        self.win_seg.extend(array("i", [seg]) * n)
-        self.win_phase.extend(array("b", [phase]) * n)
         self.win_layer.extend(array("i", self._codes([e.get("max_ratio_layer") for e in entries])))
         actions = [e.get("action") for e in entries]
         if set(map(type, actions)) <= _STR_OR_NONE:
@@ -664,6 +677,33 @@ class _RunBuilder:
             self.win_action.extend(array("b", [_ACTION_CODES.get(v, -1) if type(v) is str else -1 for v in actions]))
         if bad:
             self.bad_window(chk, bad)
+
+    def _add_window_keys(self, incident_step: int, seg: int, phase: int, n: int) -> None:
+        self.win["incident_step"].extend(array("q", [incident_step]) * n)
+        self.win_seg.extend(array("i", [seg]) * n)
+        self.win_phase.extend(array("b", [phase]) * n)
+
+    def _add_decoded_window(self, window: "_fast_windows.Window", incident_step: int, seg: int, phase: int) -> None:
+        """What ``_add_window`` adds for a window decoded by the fast path (checked: nothing to report)."""
+        import numpy as np
+
+        c = window.cols
+        a, b = window.rows()
+        if a == b:
+            return
+        if c.owner is not self:  # a block's windows can belong to several runs: codes are per run
+            c.lut, c.coded, c.owner = None, False, self
+        self._add_window_keys(incident_step, seg, phase, b - a)
+        self.win["step"].frombytes(memoryview(c.step[a:b]).cast("B"))
+        for k in _WINDOW_FLOATS:
+            self.win[k].frombytes(memoryview(c.floats[k][a:b]).cast("B"))
+        lut = self._lut(c)
+        if not c.coded:
+            self._code_new(c, lut, c.layer[a:b])
+        self.win_layer.frombytes(memoryview(lut[c.layer[a:b]]).cast("B"))
+        if c.action_codes is None:
+            c.action_codes = np.array([_ACTION_CODES.get(v, -1) for v in c.actions] + [-1], np.int8)
+        self.win_action.frombytes(memoryview(c.action_codes[c.action[a:b]]).cast("B"))
 
     @staticmethod
     def bad_window(chk: _Checker, bad: int) -> None:
@@ -912,17 +952,23 @@ def _version_ok(rec: Dict[str, Any], path: Path, lineno: int, problems: List[Pro
 
 
 def _parse_line(path: Path, lineno: int, raw: bytes, complete: bool, refused: bool,
-                problems: List[Problem]) -> Optional[Dict[str, Any]]:
-    """One line (without its newline) as a record, or ``None`` (reported unless blank)."""
+                problems: List[Problem], cut: Optional[tuple] = None) -> Optional[Dict[str, Any]]:
+    """One line (without its newline) as a record, or ``None`` (reported unless blank).
+
+    ``cut``: the line's rest and its window decoded by ``_fast_windows``, used when the rest reads as it
+    must (else the whole line is read).
+    """
     line = raw.strip()
     if not line:
         return None
-    try:
-        rec = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        msg = "truncated last line skipped (writer killed?)" if not complete else f"corrupt line skipped: {exc}"
-        problems.append(Problem(str(path), lineno, msg))
-        return None
+    rec = _fast_windows.read_rest(cut[0], cut[1], _WINDOW_KINDS) if cut is not None else None
+    if rec is None:
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            msg = "truncated last line skipped (writer killed?)" if not complete else f"corrupt line skipped: {exc}"
+            problems.append(Problem(str(path), lineno, msg))
+            return None
     if not isinstance(rec, dict):
         problems.append(Problem(str(path), lineno, f"not an event record (JSON {_type_name(rec)}, "
                                                    "expected an object): skipped"))
@@ -959,7 +1005,8 @@ def _iter_lines(path: Path, problems: List[Problem], max_line_bytes: int) -> Ite
 
 
 _ORDERED_KINDS = frozenset(("step_summary", "run_start"))
-#: Decode well-formed ``step_summary`` lines a block at a time (``_fast``); False: every line by itself.
+#: Decode well-formed ``step_summary`` lines and windows a block at a time (``_fast``, ``_fast_windows``);
+#: False: every line by itself.
 FAST_SUMMARIES = True
 
 
@@ -986,15 +1033,17 @@ def _read_jsonl(path: Path, problems: List[Problem], max_line_bytes: int,
             cand.pop()
         cols = _fast.decode_summaries([lines[i] for i in cand], _READABLE_VERSIONS) if cand else None
         if cols is None:
-            return first, lines, complete, [], None, range(n)
-        mask = np.ones(n, bool)
-        mask[cand] = False
-        return first, lines, complete, cand, cols, np.flatnonzero(mask).tolist()
+            cand, others = [], range(n)
+        else:
+            mask = np.ones(n, bool)
+            mask[cand] = False
+            others = np.flatnonzero(mask).tolist()
+        return first, lines, complete, cand, cols, others, _fast_windows.prepare(lines, others, max_line_bytes)
 
     with open(path, "rb") as f, (_fast.short_switch_interval() if fast else nullcontext()):
         blocks = _fast.read_blocks(f, max_line_bytes)
-        for first, lines, complete, cand, cols, others in (_fast.prefetch(blocks, prepare) if fast else (
-                (first, lines, complete, [], None, range(len(lines))) for first, lines, complete in blocks)):
+        for first, lines, complete, cand, cols, others, cuts in (_fast.prefetch(blocks, prepare) if fast else (
+                (first, lines, complete, [], None, range(len(lines)), {}) for first, lines, complete in blocks)):
             n = len(lines)
             done = 0  # fast rows added
             for p in others:
@@ -1003,7 +1052,7 @@ def _read_jsonl(path: Path, problems: List[Problem], max_line_bytes: int,
                 if raw is _fast.LONG_LINE or len(raw) > max_line_bytes:
                     long_line(lineno)
                     continue
-                rec = _parse_line(path, lineno, raw, complete or p < n - 1, refused, problems)
+                rec = _parse_line(path, lineno, raw, complete or p < n - 1, refused, problems, cuts.get(p))
                 if rec is None:
                     continue
                 # The fast rows before this line go first when this record could change what they become:
