@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from stabilityguard.policy import ACCEPT, CLIP, REFUSE, GuardPolicy, LossMonitor, LossTrend
+from stabilityguard.loss_signals import LossMonitor, LossTrend
+from stabilityguard.policy import ACCEPT, CLIP, REFUSE, GuardPolicy
 
 
 def make(**kw):

@@ -1,0 +1,190 @@
+"""The loss as a detection signal, over plain floats: :class:`LossMonitor` (is one loss an outlier of its
+recent window?) and :class:`LossTrend` (is the run in a sustained loss instability? is a loss calm?).
+
+:class:`~stabilityguard.policy.GuardPolicy` uses both; they know nothing of gradients or tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+
+class LossMonitor:
+    """Robust z-score of the loss against a window of recent accepted losses (median and MAD).
+
+    Outliers never enter the window as they are: a loss above ``median + z_threshold x scale`` enters it
+    at that bound (winsorised), so a sustained rise still moves the window, slowly, while a single bad
+    batch barely does. The median and MAD are refreshed every ``REFRESH`` losses.
+
+    Args:
+        window: Losses kept.
+        z_threshold: z-score above which a loss is an outlier.
+        min_count: Losses needed before any z-score is given.
+
+    Example:
+        >>> lm = LossMonitor(window=32, z_threshold=6.0, min_count=8)
+        >>> for x in [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.02, 0.98]:
+        ...     lm.add(x)
+        >>> lm.zscore(5.0) > 6
+        True
+    """
+
+    #: The median and MAD are recomputed every this many added losses (a sort of the window each step
+    #: would cost more than the rest of the decision); between two refreshes the window's centre and
+    #: scale are those of the last refresh.
+    REFRESH = 8
+
+    def __init__(self, *, window: int, z_threshold: float, min_count: int = 20, shift_after: int = 6) -> None:
+        self.window = int(window)
+        self.z_threshold = float(z_threshold)
+        self.min_count = min(int(min_count), self.window)
+        self.shift_after = int(shift_after)
+        self.run: List[float] = []  # the current run of consecutive outliers (raw values)
+        self.values: Deque[float] = deque(maxlen=self.window)
+        self.added = 0  # losses added so far (schedules the refreshes)
+        self.stats: Optional[Tuple[float, float]] = None  # (median, scale) of the last refresh
+
+    def _refresh(self) -> None:
+        xs = sorted(self.values)
+        n = len(xs)
+        med = 0.5 * (xs[(n - 1) // 2] + xs[n // 2])
+        dev = sorted([abs(x - med) for x in xs])
+        mad = 0.5 * (dev[(n - 1) // 2] + dev[n // 2])
+        # 1.4826 MAD estimates the standard deviation of a normal; a floor keeps a flat loss sane.
+        self.stats = (med, max(1.4826 * mad, 1e-3 * abs(med), 1e-12))
+
+    def zscore(self, loss: Optional[float]) -> Optional[float]:
+        """The loss's robust z-score, or ``None`` (no loss, too few values, or a non-finite loss)."""
+        if loss is None or self.stats is None or len(self.values) < self.min_count or not math.isfinite(loss):
+            return None
+        med, scale = self.stats
+        return (loss - med) / scale
+
+    def add(self, loss: Optional[float], outlier: bool = False) -> None:
+        """Add an accepted step's loss (winsorised at the outlier bound). ``shift_after`` outliers in a
+        row are a new level: the window restarts from them (a data-mix change, not a bad batch)."""
+        if loss is None or not math.isfinite(loss):
+            return
+        self.run = self.run + [float(loss)] if outlier else []
+        if len(self.run) >= self.shift_after:
+            self.values = deque(self.run, maxlen=self.window)
+            self.run = []
+            self._refresh()
+            return
+        if self.stats is not None and len(self.values) >= self.min_count:
+            med, scale = self.stats
+            loss = min(loss, med + self.z_threshold * scale)
+        self.values.append(float(loss))
+        self.added += 1
+        if len(self.values) <= self.min_count or self.added % self.REFRESH == 0:
+            self._refresh()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"values": list(self.values), "added": self.added, "run": list(self.run),
+                "stats": None if self.stats is None else list(self.stats)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.values = deque((float(v) for v in state.get("values", [])), maxlen=self.window)
+        self.added = int(state.get("added", len(self.values)))
+        self.run = [float(v) for v in state.get("run", [])]
+        st = state.get("stats")
+        self.stats = (float(st[0]), float(st[1])) if st else None
+        if self.stats is None and self.values:
+            self._refresh()
+
+
+class LossTrend:
+    """Is the run in a loss instability? The loss's fast EMA against a reference level, in units of the
+    loss's own step-to-step noise (an EMA of its absolute deviation from the fast EMA).
+
+    The reference follows the fast EMA down at once and up only slowly, so a falling loss never looks
+    like a rise. An instability begins when the fast EMA is more than ``enter_z`` noise units above the
+    reference (a sustained rise: one outlier is winsorised at 6 noise units and moves the fast EMA by
+    1.2 units at most); it ends when the fast EMA is back within ``exit_z`` units of the level it began
+    from, or after ``max_steps`` steps (the higher loss is then a new level). Losses of refused steps
+    count too: they describe the model as it is.
+
+    Args:
+        enter_z: Noise units of rise that begin an instability.
+        exit_z: Noise units above the old level under which it ends.
+        fast: EMA factor of the fast loss.
+        slow: EMA factor of the noise and of the reference's rise.
+        min_count: Losses before an instability can begin.
+        max_steps: Longest instability.
+
+    Example:
+        >>> t = LossTrend()
+        >>> for i in range(60):
+        ...     t.add(2.0 - 0.01 * i + 0.05 * (-1) ** i)
+        >>> t.unstable
+        False
+        >>> for i in range(6):
+        ...     t.add(3.0)
+        >>> t.unstable
+        True
+    """
+
+    def __init__(self, *, enter_z: float = 3.0, exit_z: float = 1.0, fast: float = 0.2, slow: float = 0.02,
+                 min_count: int = 20, max_steps: int = 128) -> None:
+        self.enter_z, self.exit_z, self.fast_a, self.slow_a = enter_z, exit_z, fast, slow
+        self.min_count, self.max_steps = min_count, max_steps
+        self.count = 0
+        self.fast = self.slow = self.noise = 0.0
+        self.unstable = False
+        self.ref = 0.0  # the slow level when the instability began
+        self.since = 0
+
+    def _unit(self) -> float:
+        """The noise unit, floored (like :class:`LossMonitor`'s scale) so a flat loss stays sane."""
+        return max(self.noise, 1e-3 * abs(self.fast), 1e-12)
+
+    def add(self, loss: float) -> None:
+        """Add one finite loss and update :attr:`unstable`."""
+        if self.count == 0:
+            self.fast = self.slow = loss
+        if self.count >= self.min_count:
+            loss = min(loss, self.fast + 6.0 * self._unit())  # one bad batch moves the EMAs little
+        dev = abs(loss - self.fast)
+        self.fast += self.fast_a * (loss - self.fast)
+        self.count += 1
+        if self.unstable:
+            self.since += 1
+            if (self.fast - self.ref) < self.exit_z * self._unit() or self.since > self.max_steps:
+                self.unstable = False
+                self.slow = self.fast
+            return
+        self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
+        # the reference follows the fast EMA down at once and up slowly (a falling loss is no lag)
+        self.slow = min(self.fast, self.slow + self.slow_a * (self.fast - self.slow))
+        if self.count >= self.min_count and self.fast - self.slow > self.enter_z * self._unit():
+            self.unstable, self.ref, self.since = True, self.slow, 0
+
+    #: Losses the trend needs before it calls one calm (:meth:`calm`).
+    CALM_AFTER = 8
+
+    def calm(self, loss: Optional[float]) -> bool:
+        """Is ``loss`` ordinary: finite and not above the fast EMA by ``enter_z`` noise units (a bad batch's
+        loss jumps far beyond)? ``False`` without a loss or before :attr:`CALM_AFTER` losses."""
+        return (loss is not None and self.count >= self.CALM_AFTER and math.isfinite(loss)
+                and loss - self.fast <= self.enter_z * self._unit())
+
+    def tick(self) -> None:
+        """A step without a loss: an instability still ends after ``max_steps`` steps."""
+        if self.unstable:
+            self.since += 1
+            if self.since > self.max_steps:
+                self.unstable = False
+                self.slow = self.fast
+
+    _FIELDS = ("count", "fast", "slow", "noise", "unstable", "ref", "since")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in self._FIELDS}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for k in self._FIELDS:
+            if k in state:
+                v = state[k]
+                setattr(self, k, bool(v) if k == "unstable" else (int(v) if k in ("count", "since") else float(v)))
