@@ -33,8 +33,8 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   overshoot at the end of a warm-up), where refusing leaves it in place: the next batch gives the
   same gradient.
 * **the global norm is held during a loss instability** (``instability_clip``):
-  :class:`~stabilityguard.loss_signals.LossTrend` says when the loss has risen, in a sustained way, above its recent level. From then until the loss is back
-  (or ``loss_window`` steps have passed), the global norm is capped at ``instability_clip`` times its
+  :class:`~stabilityguard.loss_signals.LossTrend` says when the loss has risen, in a sustained way,
+  above its recent level. From then until the loss is back (or ``loss_window`` steps have passed), the global norm is capped at ``instability_clip`` times its
   baseline (never looser than ``outlier_ratio``) and the baseline may not grow (it is fed
   ``min(norm, baseline)``). Adam divides by the root of its
   second moment: a gradient that grows with the instability would enlarge its own updates and feed
@@ -60,8 +60,8 @@ ratios (largest / smallest of the run <= ``level_shift_spread``) has its new lev
 run of bad batches is rarely that consistent, and one shorter than ``level_shift_steps`` is always
 refused. Inconsistent runs are accepted after ``level_shift_patience`` steps, as before. When the loss
 stayed calm on every step of a consistent run (:meth:`~stabilityguard.loss_signals.LossTrend.calm`),
-``calm_shift_steps`` steps are enough: a refused step leaves the weights as they were, so a gradient that comes back the same on a new
-batch, with an ordinary loss, is the model's (an overshoot of the warm-up, a new level), and refusing
+``calm_shift_steps`` steps are enough: a refused step leaves the weights as they were, so a gradient
+that comes back the same on a new batch, with an ordinary loss, is the model's (an overshoot of the warm-up, a new level), and refusing
 it again cannot change it; bad batches move the loss with the gradient. A level accepted early (either
 way) is provisional for ``level_shift_patience`` accepted steps: a layer that falls back in one step
 (by ``spike_jump``) to within ``outlier_ratio`` of its old baseline restarts from that baseline or its
