@@ -33,13 +33,13 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   overshoot at the end of a warm-up), where refusing leaves it in place: the next batch gives the
   same gradient.
 * **the global norm is held during a loss instability** (``instability_clip``):
-  :class:`~stabilityguard.loss_signals.LossTrend` says when the loss has risen, in a sustained way,
-  above its recent level. From then until the loss is back (or ``loss_window`` steps have passed), the global norm is capped at ``instability_clip`` times its
-  baseline (never looser than ``outlier_ratio``) and the baseline may not grow (it is fed
-  ``min(norm, baseline)``). Adam divides by the root of its
-  second moment: a gradient that grows with the instability would enlarge its own updates and feed
-  that moment for hundreds of steps; held at the pre-instability scale it does neither (the idea of
-  AdaGC and ZClip, applied only while the loss says something is wrong).
+  :class:`~stabilityguard.loss_signals.LossTrend` says when the loss has risen, in a sustained way, above
+  its recent level. From then until the loss is back (or ``loss_window`` steps have passed), the global
+  norm is capped at ``instability_clip`` times its baseline (never looser than ``outlier_ratio``) and the
+  baseline may not grow (it is fed ``min(norm, baseline)``). Adam divides by the root of its second
+  moment: a gradient that grows with the instability would enlarge its own updates and feed that moment
+  for hundreds of steps; held at the pre-instability scale it does neither (the idea of AdaGC and ZClip,
+  applied only while the loss says something is wrong).
 * **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
   steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
@@ -54,19 +54,19 @@ against 1-7 with raw feeding (as without the graded response). What an instabili
 baseline is bounded by the EMA: ``ema_alpha`` of the gap per step (about 100 steps of memory), and a
 step over ``spike_threshold`` feeds nothing.
 
-Level shifts after critical spikes (refused steps feed no baseline, so a genuine jump of one layer's
-scale would be refused forever): a layer that spiked ``level_shift_steps`` steps in a row with consistent
-ratios (largest / smallest of the run <= ``level_shift_spread``) has its new level accepted at once; a
-run of bad batches is rarely that consistent, and one shorter than ``level_shift_steps`` is always
-refused. Inconsistent runs are accepted after ``level_shift_patience`` steps, as before. When the loss
-stayed calm on every step of a consistent run (:meth:`~stabilityguard.loss_signals.LossTrend.calm`),
-``calm_shift_steps`` steps are enough: a refused step leaves the weights as they were, so a gradient
-that comes back the same on a new batch, with an ordinary loss, is the model's (an overshoot of the warm-up, a new level), and refusing
-it again cannot change it; bad batches move the loss with the gradient. A level accepted early (either
-way) is provisional for ``level_shift_patience`` accepted steps: a layer that falls back in one step
-(by ``spike_jump``) to within ``outlier_ratio`` of its old baseline restarts from that baseline or its
-present norm, whichever is higher (:attr:`GuardPolicy.restored`), so a burst taken for a new level does
-not leave the layer blind while the EMA comes down.
+Level shifts after critical spikes (refused steps feed no baseline, so a genuine jump of one layer's scale
+would be refused forever): a layer that spiked ``level_shift_steps`` steps in a row with consistent ratios
+(largest / smallest of the run <= ``level_shift_spread``) has its new level accepted at once; a run of bad
+batches is rarely that consistent, and one shorter than ``level_shift_steps`` is always refused.
+Inconsistent runs are accepted after ``level_shift_patience`` steps, as before. When the loss stayed calm
+on every step of a consistent run (:meth:`~stabilityguard.loss_signals.LossTrend.calm`),
+``calm_shift_steps`` steps are enough: a refused step leaves the weights as they were, so a gradient that
+comes back the same on a new batch, with an ordinary loss, is the model's (an overshoot of the warm-up, a
+new level), and refusing it again cannot change it; bad batches move the loss with the gradient. A level
+accepted early (either way) is provisional for ``level_shift_patience`` accepted steps: a layer that falls
+back in one step (by ``spike_jump``) to within ``outlier_ratio`` of its old baseline restarts from that
+baseline or its present norm, whichever is higher (:attr:`GuardPolicy.restored`), so a burst taken for a
+new level does not leave the layer blind while the EMA comes down.
 
 Example:
     >>> pol = GuardPolicy(["fc"], 1, [0], spike_threshold=10, ema_alpha=0.1, warmup_steps=2)
