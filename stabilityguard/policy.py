@@ -322,11 +322,17 @@ class GuardPolicy:
         out: List[int] = []
         early: List[int] = []
         for i, s in enumerate(mask):
+            if not s:
+                continue
             n = len(self.runs[i])
             need = self.level_shift_steps
             if calm and self.calm_refused >= n:
-                need = min(need, self.calm_shift_steps or need)
-            if s and n + 1 >= need:
+                # a calm run is the model's only under the runaway bound: a gradient-only fault (a flipped
+                # bit, a bad kernel) leaves the loss alone and may repeat, but not at x40 and beyond
+                bound = (self.spike_jump or 1.0) * self.detector.limit(i)
+                if max(self.runs[i][-(self.calm_shift_steps or 1) + 1:] + [decision.ratios[i]]) < bound:
+                    need = min(need, self.calm_shift_steps or need)
+            if n + 1 >= need:
                 run = self.runs[i][-(need - 1):] + [decision.ratios[i]]
                 if max(run) <= self.level_shift_spread * min(run):
                     out.append(i)

@@ -175,3 +175,18 @@ def test_a_calm_consistent_burst_is_taken_after_one_refusal_and_its_level_undone
     spike = {40: lambda m: scale_grad(m.blocks[0].mlp.fc, 20.0)}
     run.train(2, faults=spike)
     assert run.opt.counters.skipped == 2  # not blind: the next x20 is refused again
+
+
+def test_the_post_mortem_tells_an_undone_level_from_an_accepted_one(run_factory, tmp_path):
+    pytest.importorskip("pandas")
+    from stabilityguard.reports import load_run, postmortem_markdown
+
+    run = run_factory()
+    burst = {s: (lambda m: scale_grad(m.blocks[0].mlp.fc, 20.0)) for s in (30, 31, 32)}
+    run.train(40, faults=burst)
+    run.opt.close()
+    text = postmortem_markdown(load_run(tmp_path / "sg_logs"))
+    assert "step 31: `blocks.0.mlp.fc` spiked 2 steps in a row; its new level was accepted" in text
+    assert "step 33: `blocks.0.mlp.fc` fell back to its old level; the level taken early was undone" in text
+    assert "Levels taken early were undone for `blocks.0.mlp.fc` (step 33)" in text
+    assert "New gradient levels were accepted for `blocks.0.mlp.fc` (step 31):" in text

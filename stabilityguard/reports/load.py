@@ -396,7 +396,7 @@ class _RunBuilder:
             step = _step_of(rec)
             chk = _Checker()
             row = {"step": step, "layer": chk.text(rec, "layer"), "old_baseline": chk.num(rec, "old_baseline"),
-                   "new_baseline": chk.num(rec, "new_baseline"), "consecutive": chk.int0(rec, "consecutive")}
+                   "new_baseline": chk.num(rec, "new_baseline"), "consecutive": chk.opt_int(rec, "consecutive")}
             self._flush(chk)
             self.ranks.add(rank)
             key = (step, seg, row["layer"])

@@ -86,7 +86,7 @@ def timeline_plot(run: RunLog, path: PathLike) -> Path:
     schema 1.5) when the log has it, else the norm at each summary step; per-step values of the
     flight-recorder windows around incidents are drawn as dots. Spikes are marked by action (refused,
     would have been refused in monitor mode), NaN/Inf steps as dashed lines, clipped steps as
-    triangles at the bottom, accepted level shifts as dotted lines.
+    triangles at the bottom, baseline resets (level shifts accepted, or undone) as dotted lines.
     """
     with _literal_text():
         fig = _figure(9, 5)

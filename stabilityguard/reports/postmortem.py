@@ -305,9 +305,17 @@ def next_steps(run: RunLog, summary: Optional[Dict[str, Any]] = None, ranking: A
         out.append(f"{summary['rollbacks']} rollbacks: if they return to the same snapshot, the instability is "
                    "reproducible from there; lower the learning rate before resuming.")
     if len(run.resets):
-        layers = ", ".join(f"{md_code(l)} (step {s})" for l, s in zip(run.resets["layer"], run.resets["step"]))
-        out.append(f"New gradient levels were accepted for {layers}: check these were intended (unfreezing, "
-                   "a data-mix change, an LR jump); if not, find what changed at those steps.")
+        undone = run.resets["consecutive"] == 0  # a provisional level undone: the layer fell back (schema 1.5)
+        kept = run.resets[~undone]
+        if len(kept):
+            layers = ", ".join(f"{md_code(l)} (step {s})" for l, s in zip(kept["layer"], kept["step"]))
+            out.append(f"New gradient levels were accepted for {layers}: check these were intended (unfreezing, "
+                       "a data-mix change, an LR jump); if not, find what changed at those steps.")
+        if undone.any():
+            back = run.resets[undone]
+            layers = ", ".join(f"{md_code(l)} (step {s})" for l, s in zip(back["layer"], back["step"]))
+            out.append(f"Levels taken early were undone for {layers}: the layer fell back to its old level, so "
+                       "the run before it was a burst; if bursts recur there, look at the data or that layer.")
     return out
 
 
@@ -453,8 +461,14 @@ def postmortem_markdown(
         for _, a in run.actions[run.actions["action"] == "rollback"].head(per_cluster).iterrows():
             out.append(f"- step {a['step']}: rolled back to the state before step {a['rollback_to_step']}")
         for _, r in run.resets.iterrows():
-            out.append(f"- step {r['step']}: {md_code(r['layer'])} spiked {r['consecutive']} steps in a row; "
-                       f"its new level was accepted (baseline {_fmt(r['old_baseline'])} -> {_fmt(r['new_baseline'])})")
+            if r["consecutive"] == 0:
+                out.append(f"- step {r['step']}: {md_code(r['layer'])} fell back to its old level; the level "
+                           f"taken early was undone (baseline {_fmt(r['old_baseline'])} -> "
+                           f"{_fmt(r['new_baseline'])})")
+            else:
+                out.append(f"- step {r['step']}: {md_code(r['layer'])} spiked {r['consecutive']} steps in a row; "
+                           f"its new level was accepted (baseline {_fmt(r['old_baseline'])} -> "
+                           f"{_fmt(r['new_baseline'])})")
         out.append("")
     clips = run.actions[run.actions["action"] == "clip"] if len(run.actions) else run.actions
     if len(clips):
