@@ -26,8 +26,8 @@ Variants of ours on request (``--methods``).
 Per run: eval loss (16 held-out batches after training, BatchNorm in eval mode) and its gap to the clean
 plain run of the same workload and seed, training-tail loss, diverged (non-finite weights or loss),
 steps skipped (refused) and clipped, recall at the injected steps (skipped or clipped), false skips
-(skipped steps without a fault), for level_shift the steps until the method stops refusing / modifying the
-shifted steps, the largest attention logit after training, and the time relative to plain AdamW.
+(skipped steps without a fault), for level_shift the steps until the method stops refusing the steps or
+scaling down the shifted layer's own gradient, the largest attention logit after training, and the time relative to plain AdamW.
 
 The summary prints, per scenario, the best peer and whether the guard's default configuration meets the
 target of issue 11 (natural: eval loss at least as good as the best peer, mean over seeds; clean: within
@@ -121,6 +121,12 @@ class Scenario:
     def lr(self, step: int) -> float:
         sched = self.name if self.natural else "clean"
         return W.lr_at(sched, step, self.steps, self.workload.base_lr)
+
+    def shifted_norm(self, layers: List[torch.nn.Module]) -> float:
+        """level_shift: the norm of the shifted layer's gradient now (to see whether a method scaled it)."""
+        grads = [p.grad for p in layers[len(layers) // 2].parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
+            if grads else 0.0
 
     def weight_decay(self) -> float:
         return W.weight_decay(self.name)
@@ -409,6 +415,7 @@ def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batch
     skipped: List[int] = []
     clipped: List[int] = []
     reported: List[int] = []
+    shifted_scaled: List[int] = []  # level_shift: steps whose shifted layer's gradient the method scaled
     losses: List[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         method = method_cls(model, scenario.lr(0), scenario.weight_decay(), tmp)
@@ -419,7 +426,10 @@ def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batch
             loss = workload.loss(model, scenario.batch(step, batches[step])) * factor
             loss.backward()
             scenario.apply(step, layers, model)
+            watch = scenario.shifted_norm(layers) if scenario.shift_start is not None else None
             outcome = method.step(loss, step)
+            if watch is not None and outcome != SKIP and scenario.shifted_norm(layers) < (1 - 1e-6) * watch:
+                shifted_scaled.append(step)  # the method scaled the shifted layer's own gradient down
             if outcome == SKIP:
                 skipped.append(step)
             elif outcome == CLIP:
@@ -460,7 +470,9 @@ def run_cell(workload: "W.Workload", scenario: Scenario, method_cls: type, batch
     }
     if scenario.shift_start is not None:
         row["refused_until"] = _accept_lag(scenario.shift_start, workload.steps, skipped)
-        row["modified_until"] = _accept_lag(scenario.shift_start, workload.steps, sorted(acted))
+        # the shifted layer itself: refused, or its gradient scaled (actions on other layers do not count)
+        row["modified_until"] = _accept_lag(scenario.shift_start, workload.steps,
+                                            sorted(set(skipped) | set(reported) | set(shifted_scaled)))
     return row
 
 
@@ -786,8 +798,9 @@ def render(rows: List[Dict[str, Any]], methods: List[str], seeds: Sequence[int])
               "the same workload and seed; `div. (k/n)`: k of n seeds ended with non-finite weights or loss. Skipped: steps "
               "refused; clipped: steps whose gradient the method scaled down (for clip_grad_norm_ and ZClip that "
               "is their ordinary operation). Recall: injected steps skipped or clipped. False skips: skipped steps "
-              "without an injected fault. Level shift: steps after the shift until the method stops skipping or "
-              "clipping the shifted steps ('never': still at the end of the run).", ""]
+              "without an injected fault. Level shift: steps after the shift until the method stops skipping the "
+              "steps or scaling down the shifted layer's gradient ('never': still at the end of the run; "
+              "actions on other layers do not count).", ""]
     return "\n".join(lines), tg
 
 
