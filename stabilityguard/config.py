@@ -121,8 +121,10 @@ class GuardConfig:
     loss handed to ``step(loss=...)`` stayed calm on every one of them (not above its recent level by
     ``instability_z`` noise units): refused steps leave the weights as they were, so a gradient that
     comes back the same on new batches with an ordinary loss is the model's, not a bad batch's (whose
-    loss jumps with it). Without a loss, or with a loss that jumped, ``level_shift_steps`` applies
-    (>= 2; ``None``: off; only with ``graded_response`` and ``instability_clip``)."""
+    loss jumps with it). Only under the runaway bound (``spike_jump`` x ``spike_threshold``: a
+    gradient-only fault can repeat with a calm loss, but not that far); without a loss, with a loss that
+    jumped, at or over the bound, or with ``spike_jump=None``, ``level_shift_steps`` applies (>= 2;
+    ``None``: off; only with ``graded_response`` and ``instability_clip``)."""
 
     early_clip: bool = True
     """Before ``warmup_steps`` accepted steps, when no layer is covered yet, a global gradient norm over
@@ -135,9 +137,9 @@ class GuardConfig:
     """A critical step (a layer over ``spike_threshold``) whose loss is calm (not above its recent level
     by ``instability_z`` noise units) and where at least this share of the other covered layers (those
     under ``spike_threshold``) is over ``outlier_ratio`` is a coherent rise of the whole network, not a
-    fault: the layers under
-    ``spike_jump`` x ``spike_threshold`` are scaled back to ``outlier_ratio`` instead of refused (in
-    (0, 1]; ``None``: off; only with ``graded_response`` and ``instability_clip``, and a loss)."""
+    fault: the layers under ``spike_jump`` x ``spike_threshold`` are scaled back to ``outlier_ratio``
+    instead of refused (in (0, 1]; ``None``: off; only with ``graded_response``, ``instability_clip``,
+    ``spike_jump`` and a loss)."""
 
     flight_recorder_steps: int = 64
     """Steps of per-step numbers (global norm, loss, LR, max ratio, action) attached to every incident."""
