@@ -245,7 +245,7 @@ class GuardPolicy:
             # a rise under spike_jump x the last accepted norm is gradual, up to spike_jump x the layer's
             # threshold: beyond that it is refused however it got there (a runaway doubling every step)
             gradual = [i for i, m in enumerate(mask)
-                       if m and last[i] > 0 and values[i] < jump * last[i] and decision.ratios[i] < jump * det.limit(i)]
+                       if m and last[i] > 0 and values[i] < jump * last[i] and self._tame(i, decision.ratios[i])]
             if gradual:
                 decision = _unspike(decision, gradual)
         if not decision.accepted and self.coherent_share is not None:
@@ -289,6 +289,12 @@ class GuardPolicy:
             return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early, calm_shift=calm)
         return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm)
 
+    def _tame(self, i: int, ratio: float) -> bool:
+        """Is ``ratio`` of layer ``i`` under the runaway bound, ``spike_jump`` x its threshold? (Never
+        without ``spike_jump``: then every ratio over the threshold is refused.) The gradual-rise,
+        coherent-rise and calm-shift exceptions all stop there."""
+        return ratio < (self.spike_jump or 1.0) * self.detector.limit(i)
+
     def _coherent_rise(self, decision: Decision, loss: Optional[float]) -> List[int]:
         """``coherent_share``: with a calm loss and at least that share of the other covered layers (those
         under their spike threshold) over ``outlier_ratio``, the spiking layers under the runaway bound
@@ -301,8 +307,7 @@ class GuardPolicy:
         rest = [r for i, r in enumerate(decision.ratios[: self.n_layers]) if r == r and not mask[i]]
         if not rest or sum(1 for r in rest if r > self.outlier_ratio) < self.coherent_share * len(rest):
             return []
-        bound, det = self.spike_jump or 1.0, self.detector
-        return [i for i, m in enumerate(mask) if m and decision.ratios[i] < bound * det.limit(i)]
+        return [i for i, m in enumerate(mask) if m and self._tame(i, decision.ratios[i])]
 
     def _young(self, global_norm: float) -> bool:
         """``early_clip``: before ``warmup_steps``, from the ``EARLY_MIN``-th step, is the global norm over
@@ -329,8 +334,7 @@ class GuardPolicy:
             if calm and self.calm_refused >= n:
                 # a calm run is the model's only under the runaway bound: a gradient-only fault (a flipped
                 # bit, a bad kernel) leaves the loss alone and may repeat, but not at x40 and beyond
-                bound = (self.spike_jump or 1.0) * self.detector.limit(i)
-                if max(self.runs[i][-(self.calm_shift_steps or 1) + 1:] + [decision.ratios[i]]) < bound:
+                if self._tame(i, max(self.runs[i][-(self.calm_shift_steps or 1) + 1:] + [decision.ratios[i]])):
                     need = min(need, self.calm_shift_steps or need)
             if n + 1 >= need:
                 run = self.runs[i][-(need - 1):] + [decision.ratios[i]]
