@@ -22,6 +22,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -103,10 +104,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--window", type=int, default=64, help="flight-recorder steps per spike (0: none)")
     ap.add_argument("--no-aggregates", action="store_true", help="summaries without the schema-1.5 aggregates")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-cli", dest="cli", action="store_false",
+                    help="skip the end-to-end timing of `stabilityguard report` in a new process")
+    ap.add_argument("--keep", action="store_true", help="keep the log and the report (deleted by default: 770 MB)")
     args = ap.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="sg-scale-")
+    try:
+        return _run(args, tmp)
+    finally:
+        if args.keep:
+            print(f"log and report kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, tmp: str) -> dict:
     from stabilityguard.reports import layer_ranking, load_run, postmortem_markdown, severity_table
 
-    tmp = tempfile.mkdtemp(prefix="sg-scale-")
     path = os.path.join(tmp, "events-scale-run.jsonl")
     clock = Clock()
     write_log(path, args.summaries, args.spikes, args.layers, window=args.window,
@@ -119,11 +133,10 @@ def main(argv=None) -> dict:
     severity_table(run)
     layer_ranking(run)
     timings["severity_table + layer_ranking"] = clock.lap()
-    postmortem_markdown(run)
-    timings["postmortem_markdown"] = clock.lap()
+    images: dict = {}
     if not args.no_plots:
         from stabilityguard.reports.plots import heatmap_plot, incident_plot, timeline_plot
-        from stabilityguard.reports.postmortem import _closeup_steps, markdown_to_html
+        from stabilityguard.reports.postmortem import _closeup_steps
 
         clock.lap()
         images = {"timeline": timeline_plot(run, os.path.join(tmp, "timeline.png")),
@@ -132,9 +145,29 @@ def main(argv=None) -> dict:
         for step, seg in _closeup_steps(run, 8):
             images[f"incident_{step}"] = incident_plot(run, step, os.path.join(tmp, f"incident_{step}.png"), seg)
         timings["incident close-ups (8)"] = clock.lap()
-        md = postmortem_markdown(run, {k: os.path.basename(p) for k, p in images.items()})
+    # as write_report does: the markdown once (with the image links), then the page with the images inlined
+    from stabilityguard.reports.postmortem import markdown_to_html
+
+    md = postmortem_markdown(run, {k: os.path.basename(p) for k, p in images.items()})
+    timings["postmortem_markdown"] = clock.lap()
+    if not args.no_plots:
         markdown_to_html(md, images)
         timings["postmortem.html (images inlined)"] = clock.lap()
+    cli = None
+    if args.cli:
+        # what a user runs: a new process (interpreter start and imports included), load + write_report
+        import subprocess
+
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import sys; from stabilityguard.cli import main; sys.exit(main())",
+                        "report", tmp, "-o", os.path.join(tmp, "cli-report")] + (["--no-plots"] if args.no_plots else []),
+                       check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+                           os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                           os.environ.get("PYTHONPATH")]))))
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cli = (time.perf_counter() - t0, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
     total = sum(v[0] for k, v in timings.items() if not k.startswith("write"))
     total_cpu = sum(v[1] for k, v in timings.items() if not k.startswith("write"))
     print(f"# report scale: {args.summaries:,} step summaries, {len(run.incidents):,} spikes "
@@ -145,10 +178,13 @@ def main(argv=None) -> dict:
     for k, (wall, cpu) in timings.items():
         print(f"| {k} | {wall:.2f} | {cpu:.2f} |")
     print(f"| **report total** | **{total:.2f}** | {total_cpu:.2f} |")
+    if cli:
+        print(f"| `stabilityguard report` end to end (a new process: start, imports, load, write_report) "
+              f"| **{cli[0]:.2f}** | {cli[1]:.2f} |")
     print(f"peak RSS {rss_mb():.0f} MB (before loading: {base_rss:.0f} MB)")
     assert len(run.steps) == args.summaries and len(run.incidents) == args.spikes and not run.problems
     return {"timings": {k: v[0] for k, v in timings.items()}, "cpu": {k: v[1] for k, v in timings.items()},
-            "peak_rss_mb": rss_mb(), "log_mb": size}
+            "peak_rss_mb": rss_mb(), "log_mb": size, "cli": cli}
 
 
 if __name__ == "__main__":

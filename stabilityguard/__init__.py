@@ -34,8 +34,22 @@ from .events import (  # noqa: E402
     Spike,
     StepSummary,
 )
-from .optimizer import GuardedOptimizer  # noqa: E402
 from .sinks import ConsoleSink, JsonlSink, Sink, SpikeReportSink  # noqa: E402
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import GuardedOptimizer
+
+
+def __getattr__(name: str):
+    """``GuardedOptimizer`` is imported on first use: ``import torch`` takes about a second, and the
+    command line's reports (``stabilityguard report``/``summary``/``compare``) never need it."""
+    if name == "GuardedOptimizer":
+        from .optimizer import GuardedOptimizer
+
+        return GuardedOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Action",

@@ -215,3 +215,25 @@ def test_clip_grad_norm_option_matches_torch_and_detects_pre_clip(tmp_path):
     assert opt_a.counters.spikes == 1
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.allclose(pa, pb, atol=1e-6)
+
+
+def test_reports_and_cli_do_not_import_torch_and_the_optimizer_is_imported_on_first_use():
+    """``stabilityguard report`` starts in a tenth of a second: ``import torch`` (about 1 s) is left to
+    the first use of ``GuardedOptimizer``, which ``from stabilityguard import ...`` still finds."""
+    import subprocess
+    import sys
+
+    code = ("import sys, stabilityguard, stabilityguard.cli, stabilityguard.reports\n"
+            "assert 'torch' not in sys.modules, 'torch imported by the reports'\n"
+            "from stabilityguard import GuardedOptimizer, JsonlSink\n"
+            "from stabilityguard.optimizer import GuardedOptimizer as G\n"
+            "assert GuardedOptimizer is G is stabilityguard.GuardedOptimizer and 'torch' in sys.modules\n"
+            "assert 'GuardedOptimizer' in stabilityguard.__all__\n"
+            "try:\n"
+            "    stabilityguard.NoSuchThing\n"
+            "except AttributeError as e:\n"
+            "    assert 'NoSuchThing' in str(e)\n"
+            "else:\n"
+            "    raise SystemExit('no AttributeError')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
