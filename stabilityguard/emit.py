@@ -246,9 +246,10 @@ class RunLog:
         self.events.action(step, action="skip", reason=reason)
 
     def baseline_resets(self, step: int, verdict: Any, before: Sequence[float], values: Sequence[float],
-                        config: Any, restored: Sequence[Tuple[int, float, float]] = ()) -> None:
-        """The ``baseline_reset`` records of the layers whose baseline moved to a new level this step, and
-        of those whose provisional new level was undone (``consecutive`` 0, see ``GuardPolicy``)."""
+                        restored: Sequence[Tuple[int, float, float]] = ()) -> None:
+        """The ``baseline_reset`` records of the layers whose baseline moved to a new level this step
+        (``consecutive``: the run that made it one, ``Verdict.shift_steps``), and of those whose provisional
+        new level was undone (``consecutive`` 0, see ``GuardPolicy``)."""
         for i, level, old in restored:
             self.counters.baseline_resets += 1
             self.events.baseline_reset(step, i, level, old, 0)
@@ -256,9 +257,7 @@ class RunLog:
         for i, s in enumerate(shifts if shifts is not None else ()):
             if s:
                 self.counters.baseline_resets += 1
-                run = (config.calm_shift_steps if i in verdict.calm_shift else
-                       config.level_shift_steps if i in verdict.consistent_shift else config.level_shift_patience)
-                self.events.baseline_reset(step, i, before[i], values[i], run)
+                self.events.baseline_reset(step, i, before[i], values[i], verdict.shift_steps[i])
 
     def flight_records(self, step: Optional[int] = None) -> None:
         """The flight records due after step ``step``; ``None``: every pending one, at the end of the run."""

@@ -285,6 +285,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 error = self._on_finite(step, stats)
             else:
                 self.counters.nonfinite += 1
+                self._policy.nonfinite()
                 message, fields = nonfinite_incident(step, nonfinite_layers(stats, self._index), stats.loss,
                                                      stats.loss_finite)
                 error = self._incident(True, step, stats, None, self._detector.baselines(), message, **fields)
@@ -306,7 +307,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         verdict = pol.decide(stats.values, stats.present, stats.global_norm, stats.loss)
         before = pol.commit(verdict, stats.values, stats.present, stats.loss, stats.global_norm)
         if verdict.decision.level_shift is not None or pol.restored:  # a baseline moved or was put back
-            self._log.baseline_resets(step, verdict, before, stats.values, self.config, pol.restored)
+            self._log.baseline_resets(step, verdict, before, stats.values, pol.restored)
         if verdict.kind != REFUSE:
             self._accept(step, stats, verdict)
             return None

@@ -82,7 +82,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .detector import Decision, SpikeDetector
@@ -105,6 +105,8 @@ class Verdict:
         loss_z: Robust z-score of the loss against its window (``None`` without a loss or a full window).
         consistent_shift: Layers whose level shift was accepted early because their run was consistent.
         calm_shift: Those of them accepted after ``calm_shift_steps``, their loss calm on every step.
+        shift_steps: For every layer whose new level is accepted at this step, the length of the run that
+            made it one (consecutive spikes, or consecutive scaled-back steps for a settled outlier).
     """
 
     kind: str
@@ -115,6 +117,7 @@ class Verdict:
     loss_z: Optional[float] = None
     consistent_shift: Sequence[int] = ()
     calm_shift: Sequence[int] = ()
+    shift_steps: Dict[int, int] = field(default_factory=dict)
 
     @property
     def accepted(self) -> bool:
@@ -235,6 +238,22 @@ class GuardPolicy:
     def decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
                loss: Optional[float]) -> Verdict:
         """Decide on one step's finite numbers; changes nothing (see :meth:`commit`)."""
+        verdict = self._decide(values, present, global_norm, loss)
+        shifts = verdict.decision.level_shift
+        if shifts is not None:  # rare: how long the run was that made each new level
+            det = self.detector
+            verdict.shift_steps = {
+                i: det.consecutive[i] + 1 if verdict.decision.ratios[i] > det.limit(i) else len(self.outlier_runs[i]) + 1
+                for i, s in enumerate(shifts) if s}
+        return verdict
+
+    def nonfinite(self) -> None:
+        """A step with NaN/Inf, refused before any decision: it ends a calm run of spikes (a fault that
+        also produces NaN/Inf is not a new level of the model, see ``calm_shift_steps``)."""
+        self.calm_refused = 0
+
+    def _decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
+                loss: Optional[float]) -> Verdict:
         det = self.detector
         decision = det.evaluate(values, present)
         early, calm = self._consistent_shifts(decision, loss)

@@ -177,6 +177,25 @@ def test_a_calm_consistent_burst_is_taken_after_one_refusal_and_its_level_undone
     assert run.opt.counters.skipped == 2  # not blind: the next x20 is refused again
 
 
+def test_a_nan_step_ends_a_calm_run_of_spikes(run_factory):
+    """A x20 layer, then a NaN/Inf step, then x20 again: with the loss calm on both spikes the second would
+    be a new level after calm_shift_steps=2, but a fault that also produces NaN is not the model's level:
+    refused like any run shorter than level_shift_steps."""
+    run = run_factory()
+    run.train(30)
+    fc = run.model.blocks[0].mlp.fc
+    faults = {30: lambda m: scale_grad(fc, 20.0), 31: lambda m: poison_grad(fc), 32: lambda m: scale_grad(fc, 20.0)}
+    run.train(3, faults=faults)
+    c = run.opt.counters
+    assert (c.spikes, c.nonfinite, c.skipped, c.baseline_resets) == (2, 1, 3, 0)
+    # without the NaN step between them, the same two spikes are a calm level shift (the test above)
+    other = run_factory()
+    other.train(30)
+    other.train(3, faults={30: lambda m: scale_grad(other.model.blocks[0].mlp.fc, 20.0),
+                           31: lambda m: scale_grad(other.model.blocks[0].mlp.fc, 20.0)})
+    assert other.opt.counters.skipped == 1 and other.opt.counters.baseline_resets >= 1
+
+
 def test_the_post_mortem_tells_an_undone_level_from_an_accepted_one(run_factory, tmp_path):
     pytest.importorskip("pandas")
     from stabilityguard.reports import load_run, postmortem_markdown

@@ -120,6 +120,24 @@ def test_level_shift_accepted_within_10_steps_and_5_bad_batches_refused():
     assert all(k != REFUSE for k in kinds[first_accept:])
 
 
+def test_shift_steps_is_the_measured_run_that_made_the_new_level():
+    """``Verdict.shift_steps`` (``baseline_reset.consecutive``): the run's real length, which is longer than
+    ``level_shift_steps`` when its first ratios were too far apart to count as consistent."""
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    ratios = [15.0, 60.0] + [15.0] * 6  # consistent only from the third spike: 2 + 6 = 8 steps
+    verdicts = [feed(pol, [r * pol.detector.ema[0], 1.0]) for r in ratios]
+    assert [v.kind for v in verdicts] == [REFUSE] * 7 + [ACCEPT]
+    assert verdicts[-1].shift_steps == {0: 8} and all(not v.shift_steps for v in verdicts[:-1])
+    pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
+    warm(pol, 200)
+    v = feed(pol, [12.0 * pol.detector.ema[0], 1.0])  # without a loss: the patience rule, one ratio a step
+    assert v.kind == REFUSE and not v.shift_steps
+    verdicts = [feed(pol, [x * pol.detector.ema[0], 1.0]) for x in (50.0, 12.0, 300.0, 12.0, 900.0, 12.0) * 4]
+    first = next(i for i, v in enumerate(verdicts) if v.shift_steps)
+    assert verdicts[first].shift_steps == {0: 20} and first == 18  # level_shift_patience
+
+
 def test_inconsistent_bad_batches_beyond_level_shift_steps_are_still_refused():
     pol = make(ema_alpha=0.01, warmup_steps=10, level_shift_patience=20)
     warm(pol, 200)
