@@ -9,9 +9,9 @@ on CPU (``--device cpu``) to check that the script itself works before that. Thr
    NaN, for plain AdamW (the loop's own syncs: expected 0) and the guard in several configurations
    (expected 1: the step's one transfer). Sites are listed by file and line. On CPU there is nothing to
    count: ``tests/test_host_reads.py`` counts the reads of tensor values instead.
-2. **Refusals are bit-identical**: a guarded run whose step k is a x1000 spike (skip) or a NaN
-   (``nan_action="rollback"``, a snapshot after every step) must end with exactly the weights and AdamW state of a plain run that
-   leaves out step k (deterministic algorithms on). A guard that also scaled back another step is not
+2. **Refusals are bit-identical**: a guarded run whose step k is a x1000 spike (skip) or a NaN (skip,
+   and ``nan_action="rollback"`` with a snapshot after every step) must end with exactly the weights and
+   AdamW state of a plain run that leaves out step k (deterministic algorithms on). A guard that also scaled back another step is not
    comparable and is reported as such.
 3. **Step cost**: plain AdamW, ``clip_grad_norm_(1.0)`` and the default guard (``log_dir=None``,
    ``verbose=False``) on a tiny GPT (0.1M parameters) and a 25M-parameter GPT, in interleaved blocks,
@@ -135,7 +135,8 @@ def count_syncs(device: torch.device, steps: int) -> List[str]:
                 torch.cuda.set_sync_debug_mode(0)
             per_step.append(syncs() - mark[0])
         for w in (w for w in seen if "synchroniz" in str(w.message)):
-            sites[f"{os.path.relpath(w.filename, os.getcwd()) if w.filename.startswith(os.getcwd()) else w.filename}:{w.lineno}"] += 1
+            where = os.path.relpath(w.filename) if w.filename.startswith(os.getcwd()) else w.filename
+            sites[f"{where}:{w.lineno}"] += 1
         if kw is not None:
             opt.close()
         expected = 0 if kw is None else 1

@@ -241,9 +241,10 @@ class GuardPolicy:
         verdict = self._decide(values, present, global_norm, loss)
         shifts = verdict.decision.level_shift
         if shifts is not None:  # rare: how long the run was that made each new level
-            det = self.detector
+            det, ratios = self.detector, verdict.decision.ratios
+            # a run of spikes (over the layer's threshold), or of scaled-back outliers settled as a level
             verdict.shift_steps = {
-                i: det.consecutive[i] + 1 if verdict.decision.ratios[i] > det.limit(i) else len(self.outlier_runs[i]) + 1
+                i: det.consecutive[i] + 1 if ratios[i] > det.limit(i) else len(self.outlier_runs[i]) + 1
                 for i, s in enumerate(shifts) if s}
         return verdict
 
