@@ -11,10 +11,10 @@ on CPU (``--device cpu``) to check that the script itself works before that. Thr
    count: ``tests/test_host_reads.py`` counts the reads of tensor values instead.
 2. **Refusals are bit-identical**: a guarded run whose step k is a x1000 spike (skip) or a NaN (skip,
    and ``nan_action="rollback"`` with a snapshot after every step) must end with exactly the weights and
-   AdamW state of a plain run that leaves out step k (deterministic algorithms on). A guard that also scaled back another step is not
-   comparable and is reported as such.
+   AdamW state of a plain run that leaves out step k (deterministic algorithms on). A guard that also
+   scaled back another step is not comparable and is reported as such.
 3. **Step cost**: plain AdamW, ``clip_grad_norm_(1.0)`` and the default guard (``log_dir=None``,
-   ``verbose=False``) on a tiny GPT (0.1M parameters) and a 25M-parameter GPT, in interleaved blocks,
+   ``verbose=False``) on a tiny GPT (0.03M parameters) and a 25M-parameter GPT, in interleaved blocks,
    each block timed with a device synchronisation at both ends; the median optimizer-phase time of each
    method minus plain AdamW's, as a percentage of the plain full step.
 
