@@ -136,10 +136,10 @@ class GuardConfig:
     coherent_share: Optional[float] = 0.5
     """A critical step (a layer over ``spike_threshold``) whose loss is calm (not above its recent level
     by ``instability_z`` noise units) and where at least this share of the other covered layers (those
-    under ``spike_threshold``) is over ``outlier_ratio`` is a coherent rise of the whole network, not a
-    fault: the layers under ``spike_jump`` x ``spike_threshold`` are scaled back to ``outlier_ratio``
-    instead of refused (in (0, 1]; ``None``: off; only with ``graded_response``, ``instability_clip``,
-    ``spike_jump`` and a loss)."""
+    under ``spike_threshold``) is over ``outlier_ratio``, or where two or more covered layers and all of
+    them spike, is a coherent rise of the whole network, not a fault: the layers under ``spike_jump`` x
+    ``spike_threshold`` are scaled back to ``outlier_ratio`` instead of refused (in (0, 1]; ``None``:
+    off; only with ``graded_response``, ``instability_clip``, ``spike_jump`` and a loss)."""
 
     flight_recorder_steps: int = 64
     """Steps of per-step numbers (global norm, loss, LR, max ratio, action) attached to every incident."""
@@ -273,22 +273,17 @@ class GuardConfig:
         if not isinstance(self.graded_response, bool):
             raise ConfigError(f"graded_response must be True or False; got {self.graded_response!r}")
         _check_number("outlier_ratio", self.outlier_ratio, low=1.0, low_inclusive=False)
-        if self.instability_clip is not None:
-            _check_number("instability_clip", self.instability_clip, low=0.0, low_inclusive=False)
+        _check_number("instability_clip", self.instability_clip, low=0.0, low_inclusive=False, none_ok=True)
         _check_number("instability_z", self.instability_z, low=0.0, low_inclusive=False)
-        if self.spike_jump is not None:
-            _check_number("spike_jump", self.spike_jump, low=1.0)
-        if self.loss_z_threshold is not None:
-            _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False)
+        _check_number("spike_jump", self.spike_jump, low=1.0, none_ok=True)
+        _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False, none_ok=True)
         _check_int("loss_window", self.loss_window, low=20)
         _check_int("level_shift_steps", self.level_shift_steps, low=2)
         _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
-        if self.coherent_share is not None:
-            _check_number("coherent_share", self.coherent_share, low=0.0, low_inclusive=False, high=1.0)
+        _check_number("coherent_share", self.coherent_share, low=0.0, low_inclusive=False, high=1.0, none_ok=True)
         if not isinstance(self.early_clip, bool):
             raise ConfigError(f"early_clip must be True or False; got {self.early_clip!r}")
-        if self.calm_shift_steps is not None:
-            _check_int("calm_shift_steps", self.calm_shift_steps, low=2)
+        _check_int("calm_shift_steps", self.calm_shift_steps, low=2, none_ok=True)
         _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1)
         if not isinstance(self.track_update_size, bool):
             raise ConfigError(f"track_update_size must be True or False; got {self.track_update_size!r}")
@@ -307,8 +302,7 @@ class GuardConfig:
                 f"snapshot_device must be a device string such as 'cpu' or 'cuda:0'; "
                 f"got {self.snapshot_device!r}"
             ) from exc
-        if self.clip_grad_norm is not None:
-            _check_number("clip_grad_norm", self.clip_grad_norm, low=0.0, low_inclusive=False)
+        _check_number("clip_grad_norm", self.clip_grad_norm, low=0.0, low_inclusive=False, none_ok=True)
         if not isinstance(self.enable_spam, bool):
             raise ConfigError(f"enable_spam must be True or False; got {self.enable_spam!r}")
         _check_number("spam_lr_reduction", self.spam_lr_reduction, low=0.0, low_inclusive=False, high=1.0)
@@ -364,13 +358,25 @@ class GuardConfig:
 
 
 def _native(value: Any) -> Any:
-    """A numpy or tensor scalar as the plain Python number (or bool) it holds; anything else unchanged."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
+    """A numpy or tensor scalar, or any other number type, as the plain Python value it holds (``bool``,
+    ``int``, ``float``, ``str``); anything else unchanged (the checks then refuse it)."""
+    if type(value) in (bool, int, float, str) or value is None:
         return value
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
-        return value.item()  # np.float32(10.0) -> 10.0, np.bool_(True) -> True
+        return value.item()  # np.float32(10.0) -> 10.0, np.float64 (a float subclass) too, np.bool_ -> bool
     if type(value).__name__ == "Tensor" and getattr(value, "ndim", None) == 0:
         return value.item()
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)  # an int subclass, an IntEnum...
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)  # Fraction(21, 2) -> 10.5, a float subclass -> float
+        except (OverflowError, ValueError):
+            return value
+    if isinstance(value, str):
+        return str(value)
     return value
 
 
@@ -390,8 +396,14 @@ def _check_number(
     low: Optional[float] = None,
     low_inclusive: bool = True,
     high: Optional[float] = None,
+    none_ok: bool = False,
 ) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if none_ok and value is None:
+        return
+    try:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400)
+        ok = False
     if ok and low is not None:
         ok = value >= low if low_inclusive else value > low
     if ok and high is not None:
@@ -403,9 +415,25 @@ def _check_number(
         if high is not None:
             parts.append(f"<= {high:g}")
         allowed = " and ".join(parts) if parts else "finite"
-        raise ConfigError(f"{name} must be a finite number {allowed}; got {value!r}")
+        raise ConfigError(f"{name} must be a finite number {allowed}{' or None' if none_ok else ''}; "
+                          f"got {_shown(value)}")
 
 
-def _check_int(name: str, value: Any, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}; got {value!r}")
+#: The largest integer setting: step counts and window lengths far beyond any run (deques and counters
+#: beyond it fail in C).
+MAX_INT_SETTING = 10**9
+
+
+def _check_int(name: str, value: Any, *, low: int, high: int = MAX_INT_SETTING, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        top = f" and <= {high:,}" if isinstance(value, numbers.Integral) and value > high else ""  # when it matters
+        raise ConfigError(f"{name} must be an integer >= {low}{top}{' or None' if none_ok else ''}; "
+                          f"got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    """The value as a message shows it: its repr, cut short when it is long (10**400)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"

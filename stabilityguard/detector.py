@@ -117,6 +117,15 @@ class SpikeDetector:
         """The threshold of detected layer ``i``."""
         return self.threshold if self.limits is None else self.limits[i]
 
+    @property
+    def all_ready(self) -> bool:
+        """Has every series its ``warmup_steps`` accepted observations (is every one covered)?"""
+        return self._all_ready
+
+    def covered(self, i: int) -> bool:
+        """Has series ``i`` its ``warmup_steps`` accepted observations?"""
+        return self.count[i] >= self._min_count
+
     def _refresh_flags(self) -> None:
         low = min(self.count) if self.count else self._cap
         self._all_ready = low >= self._min_count

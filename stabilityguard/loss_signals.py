@@ -53,7 +53,13 @@ class LossMonitor:
         dev = sorted([abs(x - med) for x in xs])
         mad = 0.5 * (dev[(n - 1) // 2] + dev[n // 2])
         # 1.4826 MAD estimates the standard deviation of a normal; a floor keeps a flat loss sane.
-        self.stats = (med, max(1.4826 * mad, 1e-3 * abs(med), 1e-12))
+        scale = 1.4826 * mad
+        if scale == 0.0:
+            # more than half the window sits at the median (a loss that is often exactly 0, a loss rounded
+            # to few values): the MAD says nothing, the mean absolute deviation (1.2533 x: a normal's
+            # standard deviation) still measures the spread
+            scale = 1.2533 * sum(dev) / n
+        self.stats = (med, max(scale, 1e-3 * abs(med), 1e-12))
 
     def zscore(self, loss: Optional[float]) -> Optional[float]:
         """The loss's robust z-score, or ``None`` (no loss, too few values, or a non-finite loss)."""

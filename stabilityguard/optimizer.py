@@ -95,6 +95,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._skip_reason: Optional[str] = None
         self._from_measure = False
         self._measured: Optional[GradStats] = None
+        self._late_loss_warned = False
         self._clip_input: Optional[List[float]] = None
         self._features = Features(config, base_opt)
         self._containment = Containment(base_opt, config, self._features)
@@ -232,7 +233,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         For frameworks that transform gradients between backward and ``step()`` (gradient clipping in
         Lightning, say): call this before the transformation so detection sees the raw gradients. Such a
         step is refused or taken as decided, but an outlier is not scaled back (the gradients may have
-        been clipped since they were measured; the ``clip`` record is not written either).
+        been clipped since they were measured; the ``clip`` record is not written either). Pass the loss
+        here: one given only to ``step()`` is read then (one more device read), and under
+        torch.distributed it is not used (every rank must decide on the same, averaged, loss).
 
         Example:
             >>> loss.backward()  # doctest: +SKIP
@@ -274,6 +277,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._from_measure = stats is not None
         if stats is None:
             stats = self._collector.collect(loss)
+        elif stats.loss is None and loss is not None and not self._collector.add_loss(stats, loss) \
+                and not self._late_loss_warned:
+            self._late_loss_warned = True
+            logger.warning("the loss given to step() after measure() is not used under torch.distributed "
+                           "(every rank must decide on the same loss): pass it to measure(loss)")
         self.last_stats = stats
         if stats.ridden is not None:  # the previous accepted step's update size
             self._log.update_size(self._collector.update_step, stats.ridden, self._index.numel)

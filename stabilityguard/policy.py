@@ -210,6 +210,11 @@ class GuardPolicy:
                                     min_count=max(20, self.warmup_steps), shift_after=level_shift_steps)
         self.global_ema = 0.0
         self.global_count = 0
+        #: The layers the global baseline describes (``None``: all of them): those present and covered
+        #: (or, before any is covered, those present). A layer that joins later (unfrozen, a parameter group
+        #: added) or one without a gradient on some steps changes the set: the baseline then restarts from
+        #: the layers' own baselines, so the global rule compares like with like.
+        self.global_layers: Optional[Tuple[int, ...]] = None
         #: Per layer, the ratios of its current run of consecutive critical spikes.
         self.runs: List[List[float]] = [[] for _ in range(self.n_layers)]
         self._open_runs = False
@@ -275,8 +280,9 @@ class GuardPolicy:
         z = self.loss.zscore(loss) if self.loss is not None else None
         if not decision.accepted:
             return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early, calm_shift=calm)
-        young = self._young(global_norm)  # a jump of the global norm before any layer is covered (early_clip)
-        gr = global_norm / self.global_ema if (young or self.global_count >= self.warmup_steps) else math.nan
+        _, gn, ema = self._global_view(values, present, global_norm)
+        young = self._young(gn, ema)  # a jump of the global norm before any layer is covered (early_clip)
+        gr = gn / ema if (young or self.global_count >= self.warmup_steps) and ema > 0 else math.nan
         if not self.graded:
             return Verdict(ACCEPT, decision, global_ratio=gr, consistent_shift=early, calm_shift=calm)
         lim = self.outlier_ratio
@@ -317,24 +323,47 @@ class GuardPolicy:
 
     def _coherent_rise(self, decision: Decision, loss: Optional[float]) -> List[int]:
         """``coherent_share``: with a calm loss and at least that share of the other covered layers (those
-        under their spike threshold) over ``outlier_ratio``, the spiking layers under the runaway bound
-        (``spike_jump`` x their threshold); ``[]`` otherwise."""
+        under their spike threshold) over ``outlier_ratio``, or with two or more covered layers all spiking,
+        the spiking layers under the runaway bound (``spike_jump`` x their threshold); ``[]`` otherwise."""
         mask = decision.spike_mask
         assert mask is not None and self.coherent_share is not None
         if self.trend is None or not self.trend.calm(loss):
             return []
         # the rest of the network: covered, present (ratio not NaN) and not spiking
         rest = [r for i, r in enumerate(decision.ratios[: self.n_layers]) if r == r and not mask[i]]
-        if not rest or sum(1 for r in rest if r > self.outlier_ratio) < self.coherent_share * len(rest):
+        if not rest:  # every covered layer spikes: coherent if there are several (one layer alone is a fault)
+            if sum(mask) < 2:
+                return []
+        elif sum(1 for r in rest if r > self.outlier_ratio) < self.coherent_share * len(rest):
             return []
         return [i for i, m in enumerate(mask) if m and self._tame(i, decision.ratios[i])]
 
-    def _young(self, global_norm: float) -> bool:
+    def _young(self, global_norm: float, ema: float) -> bool:
         """``early_clip``: before ``warmup_steps``, from the ``EARLY_MIN``-th step, is the global norm over
         ``spike_threshold`` x the mean of the accepted ones so far?"""
         c = self.global_count
         return (self.early_clip and self.EARLY_MIN <= c < self.warmup_steps
-                and global_norm > self.detector.threshold * self.global_ema)
+                and global_norm > self.detector.threshold * ema)
+
+    def _global_view(self, values: Sequence[float], present: Optional[Sequence[bool]],
+                     global_norm: float) -> Tuple[Optional[Tuple[int, ...]], float, float]:
+        """The layers the global rule looks at this step (``None``: all), their total norm, and the global
+        baseline for them: when the set differs from the one the baseline describes
+        (:attr:`global_layers`), the root of the sum of the squared baselines of this step's layers (each
+        layer's own baseline is never mixed with steps it was absent from). Changes nothing."""
+        det, n = self.detector, self.n_layers
+        if present is None and det.all_ready and self.global_layers is None:
+            return None, global_norm, self.global_ema  # the common step: every layer present and covered
+        live = [i for i in range(n) if present is None or present[i]]
+        layers = [i for i in live if det.covered(i)] or live  # before any layer is covered: those present
+        key = None if len(layers) == n else tuple(layers)
+        gn = global_norm if key is None else math.sqrt(sum(values[i] * values[i] for i in layers))
+        ema = self.global_ema
+        if key != self.global_layers and self.global_count:
+            restart = math.sqrt(sum(det.ema[i] * det.ema[i] for i in layers))
+            if restart > 0:
+                ema = restart
+        return key, gn, ema
 
     def _consistent_shifts(self, decision: Decision, loss: Optional[float]) -> Tuple[List[int], List[int]]:
         """Spiking layers whose run (with this step) is long and consistent enough to be a new level:
@@ -388,6 +417,8 @@ class GuardPolicy:
                loss: Optional[float], global_norm: Optional[float] = None) -> List[float]:
         """Apply a verdict to the state; returns the baselines as they were before it."""
         det, decision = self.detector, verdict.decision
+        view = self._global_view(values, present, global_norm if global_norm is not None else
+                                 math.sqrt(sum(v * v for v in values[: self.n_layers])))
         before = det.baselines() if (not verdict.accepted or decision.shifted) else []
         if self.calm_shift_steps is not None:
             assert self.trend is not None
@@ -427,19 +458,20 @@ class GuardPolicy:
             # raw norms, a scaled-back layer's too: a rise measured against its own last step (a fault right
             # after an outlier is then scaled back to outlier_ratio rather than refused)
             now = list(values[:n])
-            if present is None or self.last is None:
+            if self.last is None or (present is None and min(now, default=1.0) > 0):
                 self.last = now
-            else:
-                self.last = [now[i] if present[i] else self.last[i] for i in range(n)]
+            else:  # an absent layer, or a zero norm ("no signal", as for the baselines), keeps its last norm
+                last = self.last
+                self.last = [v if v > 0 and (present is None or present[i]) else last[i] for i, v in enumerate(now)]
         if verdict.accepted:
-            gn = global_norm if global_norm is not None else math.sqrt(sum(v * v for v in values[: self.n_layers]))
+            self.global_layers, gn, self.global_ema = view  # the baseline now describes this step's layers
             if gn > 0 and math.isfinite(gn):
                 c = self.global_count
                 feed = gn
                 if "warmup" in verdict.reasons:  # the young baseline takes the norm as it was scaled back
                     feed = self.outlier_ratio * self.global_ema
-                elif self.unstable:  # the baseline is held: it may follow the norm down, never up
-                    feed = min(gn, self.global_ema)
+                elif self.unstable and c:  # the baseline is held: it may follow the norm down, never up (a
+                    feed = min(gn, self.global_ema)  # first norm, unstable or not, starts it: never 0)
                 elif decision.level_shift is not None:
                     self.global_ema = max(self.global_ema, gn)  # the new level of a layer moves the total too
                 self.global_ema += max(self.alpha, 1.0 / (c + 1)) * (feed - self.global_ema)
@@ -468,8 +500,8 @@ class GuardPolicy:
         det, group = self.detector, self.detector.group
         if verdict.accepted:
             for i in list(self.provisional):
-                if present is not None and not present[i]:
-                    continue
+                if (present is not None and not present[i]) or not values[i] > 0:
+                    continue  # no gradient, or a zero one ("no signal"): neither back nor staying
                 old, left = self.provisional[i]
                 # back, and suddenly (a burst ends as it began; a new level can also fade with the run):
                 # the baseline restarts from here
@@ -504,6 +536,7 @@ class GuardPolicy:
             "detector": self.detector.state_dict(),
             "global_ema": self.global_ema,
             "global_count": self.global_count,
+            "global_layers": None if self.global_layers is None else [names[i] for i in self.global_layers],
             "loss": self.loss.state_dict() if self.loss is not None else None,
             "runs": {names[i]: list(r) for i, r in enumerate(self.runs) if r},
             "outlier_runs": {names[i]: list(r) for i, r in enumerate(self.outlier_runs) if r},
@@ -522,6 +555,9 @@ class GuardPolicy:
         self.detector.load_state_dict(state["detector"])
         self.global_ema = float(state.get("global_ema", 0.0))
         self.global_count = int(state.get("global_count", 0))
+        pos_of = {n: i for i, n in enumerate(self.detector.names[: self.n_layers])}
+        layers = state.get("global_layers")
+        self.global_layers = None if layers is None else tuple(pos_of[n] for n in layers if n in pos_of)
         if self.loss is not None and state.get("loss"):
             self.loss.load_state_dict(state["loss"])
         runs = state.get("runs") or {}

@@ -242,6 +242,16 @@ class GradStatsCollector:
                 # Half-precision grads are accumulated in float32 so large norms do not overflow.
                 self._norm_dtype = torch.float32
 
+    def add_loss(self, stats: GradStats, loss: "LossLike") -> bool:
+        """A loss given after the step's numbers were read (``measure()`` without one, then
+        ``step(loss=...)``): read now, one more device read (a sync on accelerators) on this path only.
+        Under torch.distributed every rank must decide on the same, averaged, loss, which only the step's
+        own transfer gives: not used, ``False``."""
+        if self._world > 1 or loss is None:
+            return False
+        stats.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+        return True
+
     def measure_update(self, update: Callable[[], Any], step: int) -> None:
         """Run ``update`` (the optimizer step of ``step``) and keep the squared norm of the parameter change
         it made as :attr:`rider`: computed on the device, read in the next :meth:`collect`'s transfer."""

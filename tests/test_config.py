@@ -26,7 +26,7 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
         ({"snapshot_device": "gpu0"}, r"snapshot_device must be a device string .*got 'gpu0'"),
         ({"log_dir": 3}, r"log_dir must be a path .*got 3"),
         ({"run_id": ""}, r"run_id must be a non-empty string or None; got ''"),
-        ({"clip_grad_norm": 0.0}, r"clip_grad_norm must be a finite number > 0; got 0.0"),
+        ({"clip_grad_norm": 0.0}, r"clip_grad_norm must be a finite number > 0 or None; got 0.0"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, pattern):
@@ -77,3 +77,34 @@ def test_distributed_options_are_validated():
         GuardConfig(log_ranks="rank0")
     with pytest.raises(ConfigError, match=r"sync_ranks must be True or False; got 1"):
         GuardConfig(sync_ranks=1)
+
+
+def test_number_types_are_stored_as_plain_python_values():
+    """np.float64 and np.str_ are float/str subclasses and were stored as they came; Fraction passed the
+    checks and broke JSON. All are stored as plain Python values now, and the config serialises."""
+    import json
+    from fractions import Fraction
+
+    np = pytest.importorskip("numpy")
+    cfg = GuardConfig(log_dir=None, verbose=False, coherent_share=np.float64(0.5), ema_alpha=np.float64(0.1),
+                      spike_threshold=Fraction(21, 2), nan_action=np.str_("skip"), log_every=np.int64(5),
+                      calm_shift_steps=np.int32(3), early_clip=np.bool_(True), outlier_ratio=torch.tensor(4.0))
+    plain = {"coherent_share": float, "ema_alpha": float, "spike_threshold": float, "nan_action": str,
+             "log_every": int, "calm_shift_steps": int, "early_clip": bool, "outlier_ratio": float}
+    for name, kind in plain.items():
+        assert type(getattr(cfg, name)) is kind, name
+    assert cfg.spike_threshold == 10.5
+    json.dumps(cfg.to_dict())
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    ({"spike_threshold": 10**400}, r"spike_threshold must be a finite number > 1; got 1000000000.*\(401 characters\)"),
+    ({"coherent_share": 10**400}, r"coherent_share must be a finite number > 0 and <= 1 or None; got 1000"),
+    ({"loss_window": 10**19}, r"loss_window must be an integer >= 20 and <= 1,000,000,000; got 10000000000000000000"),
+    ({"flight_recorder_steps": 10**19}, r"flight_recorder_steps must be an integer >= 1 and <= 1,000,000,000"),
+    ({"calm_shift_steps": 1}, r"calm_shift_steps must be an integer >= 2 or None; got 1"),
+    ({"spike_jump": "4"}, r"spike_jump must be a finite number >= 1 or None; got '4'"),
+])
+def test_huge_numbers_and_optional_settings_get_a_config_error_that_says_what_is_allowed(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        GuardConfig(log_dir=None, verbose=False, **kwargs)

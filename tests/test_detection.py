@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -177,6 +178,27 @@ def test_a_calm_consistent_burst_is_taken_after_one_refusal_and_its_level_undone
     assert run.opt.counters.skipped == 2  # not blind: the next x20 is refused again
 
 
+def test_a_settled_outlier_level_is_reported_as_such_even_without_incidents(run_factory, tmp_path):
+    """A layer held at x6 (scaled back, never a spike) becomes a new level: the post-mortem lists it with the
+    measured run, says it stayed far above its baseline (not that it spiked), also in a run without
+    incidents."""
+    pytest.importorskip("pandas")
+    from stabilityguard.reports import load_run, postmortem_markdown
+
+    run = run_factory()
+    run.train(25)
+    held = {s: (lambda m: scale_grad(m.blocks[0].mlp.fc, 6.0)) for s in range(25, 50)}
+    run.train(25, faults=held)
+    run.opt.close()
+    c = run.opt.counters
+    assert c.spikes == 0 and c.baseline_resets >= 1 and c.clipped >= 5
+    reset = events_of(run, "baseline_reset")[0]
+    text = postmortem_markdown(load_run(tmp_path / "sg_logs"))
+    assert "No incidents." in text and not re.search(r"spiked \d+ steps", text)
+    assert (f"- step {reset['step']}: `blocks.0.mlp.fc` stayed far above its baseline for {reset['consecutive']} "
+            "steps in a row") in text
+
+
 def test_a_nan_step_ends_a_calm_run_of_spikes(run_factory):
     """A x20 layer, then a NaN/Inf step, then x20 again: with the loss calm on both spikes the second would
     be a new level after calm_shift_steps=2, but a fault that also produces NaN is not the model's level:
@@ -205,7 +227,8 @@ def test_the_post_mortem_tells_an_undone_level_from_an_accepted_one(run_factory,
     run.train(40, faults=burst)
     run.opt.close()
     text = postmortem_markdown(load_run(tmp_path / "sg_logs"))
-    assert "step 31: `blocks.0.mlp.fc` spiked 2 steps in a row; its new level was accepted" in text
+    assert "step 31: `blocks.0.mlp.fc` stayed far above its baseline for 2 steps in a row (x" in text
+    assert "its new level was accepted" in text
     assert "step 33: `blocks.0.mlp.fc` fell back to its old level; the level taken early was undone" in text
     assert "Levels taken early were undone for `blocks.0.mlp.fc` (step 33)" in text
     assert "New gradient levels were accepted for `blocks.0.mlp.fc` (step 31):" in text

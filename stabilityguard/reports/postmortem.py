@@ -458,18 +458,21 @@ def postmortem_markdown(
             out.append(f"- ... {len(groups) - max_clusters} more clusters ({rest} incidents); "
                        "the event log has them all")
         out.append("")
-        for _, a in run.actions[run.actions["action"] == "rollback"].head(per_cluster).iterrows():
-            out.append(f"- step {a['step']}: rolled back to the state before step {a['rollback_to_step']}")
-        for _, r in run.resets.iterrows():
-            if r["consecutive"] == 0:
-                out.append(f"- step {r['step']}: {md_code(r['layer'])} fell back to its old level; the level "
-                           f"taken early was undone (baseline {_fmt(r['old_baseline'])} -> "
-                           f"{_fmt(r['new_baseline'])})")
-            else:
-                out.append(f"- step {r['step']}: {md_code(r['layer'])} spiked {r['consecutive']} steps in a row; "
-                           f"its new level was accepted (baseline {_fmt(r['old_baseline'])} -> "
-                           f"{_fmt(r['new_baseline'])})")
-        out.append("")
+    rollbacks = run.actions[run.actions["action"] == "rollback"] if len(run.actions) else run.actions
+    lines = [f"- step {a['step']}: rolled back to the state before step {a['rollback_to_step']}"
+             for _, a in rollbacks.head(per_cluster).iterrows()]
+    for _, r in run.resets.iterrows():  # level shifts: listed with or without incidents (a settled outlier has none)
+        if r["consecutive"] == 0:
+            lines.append(f"- step {r['step']}: {md_code(r['layer'])} fell back to its old level; the level "
+                         f"taken early was undone (baseline {_fmt(r['old_baseline'])} -> {_fmt(r['new_baseline'])})")
+        else:
+            old, new = r["old_baseline"], r["new_baseline"]
+            times = f" (x{_fmt(new / old)} at the last)" if old and old > 0 and new == new else ""
+            lines.append(f"- step {r['step']}: {md_code(r['layer'])} stayed far above its baseline for "
+                         f"{r['consecutive']} steps in a row{times}; its new level was accepted (baseline "
+                         f"{_fmt(old)} -> {_fmt(new)})")
+    if lines:
+        out += lines + [""]
     clips = run.actions[run.actions["action"] == "clip"] if len(run.actions) else run.actions
     if len(clips):
         layers = clips["layer"].dropna().value_counts()
