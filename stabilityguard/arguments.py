@@ -7,6 +7,7 @@ the value given. The settings themselves are checked by :class:`~stabilityguard.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -53,3 +54,28 @@ def check_arguments(base_opt: Any, model: Any, config: Optional[GuardConfig], se
                 f"sinks must be objects with an emit(event) method (see stabilityguard.sinks.Sink); got {s!r}"
             )
     return config, extra
+
+
+def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
+    """The loss handed to the guard, as the guard reads it: a tensor (read in the step's one transfer),
+    a plain ``float``, or ``None``.
+
+    Numbers of any kind (numpy and tensor scalars, a one-element numpy array) become a ``float``; anything
+    else (a string, a bool, a list, an array of several values) is a ``TypeError`` naming ``where``.
+
+    Example:
+        >>> import numpy as np
+        >>> check_loss(np.float32(1.5)), check_loss(None)
+        (1.5, None)
+    """
+    if loss is None or isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(loss, (bool, str, bytes)) or type(loss).__name__ == "bool_":
+        pass
+    elif isinstance(loss, numbers.Real):
+        return float(loss)
+    elif type(loss).__module__ == "numpy" and getattr(loss, "size", None) == 1:
+        return float(loss.reshape(-1)[0])
+    shown = repr(loss)
+    raise TypeError(f"{where} must be a tensor, a real number or None; got {type(loss).__name__} "
+                    f"{shown if len(shown) <= 40 else shown[:40] + '...'}")

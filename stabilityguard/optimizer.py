@@ -17,7 +17,7 @@ import torch
 
 from . import __version__
 from .actions import Containment
-from .arguments import check_arguments
+from .arguments import check_arguments, check_loss
 from .checkpoint import guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
 from .config import GuardConfig
 from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
@@ -95,7 +95,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._skip_reason: Optional[str] = None
         self._from_measure = False
         self._measured: Optional[GradStats] = None
-        self._late_loss_warned = False
         self._clip_input: Optional[List[float]] = None
         self._features = Features(config, base_opt)
         self._containment = Containment(base_opt, config, self._features)
@@ -203,6 +202,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def observe_loss(self, loss: Union[torch.Tensor, float]) -> None:
         """Hand over this step's loss without a closure (a tensor is read in the step's single transfer)."""
+        loss = check_loss(loss, "observe_loss(loss)")
         self._pending_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     # ----------------------------------------------------------------------------- the step
@@ -218,7 +218,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         Raises:
             GradientSpikeError: With ``nan_action="raise"`` on a spike or NaN/Inf.
-            TypeError: When a tensor is passed as the closure (``step(loss)`` instead of ``step(loss=loss)``).
+            TypeError: When a tensor is passed as the closure (``step(loss)`` instead of ``step(loss=loss)``),
+                or a ``loss`` that is not a tensor, a real number or ``None``.
         """
         if isinstance(closure, torch.Tensor):
             raise TypeError("optimizer.step() got a tensor as its closure; pass the loss by keyword: "
@@ -243,6 +244,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
             >>> optimizer.step()  # detection on pre-clip norms  # doctest: +SKIP
         """
+        loss = check_loss(loss, "measure(loss)")
         if loss is None:
             loss = self._pending_loss
         self._pending_loss = None
@@ -262,11 +264,18 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._log.summary(step, None, self._lr(), *self._features.post_clip(self._clip_input))
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
+        given = check_loss(loss)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()  # may call skip_next_step or observe_loss (framework hooks run inside it)
+            try:
+                given = check_loss(loss)
+            except TypeError:  # a closure may return what it likes: the guard then has no loss
+                given = None
+        if given is None:
+            given = self._pending_loss
         if loss is None:
-            loss = self._pending_loss
+            loss = given  # returned, as torch's step() returns the closure's loss
         if self._skip_reason is not None:
             self._skip_requested(self._skip_reason)
             return loss
@@ -276,12 +285,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         stats, self._measured = self._measured, None
         self._from_measure = stats is not None
         if stats is None:
-            stats = self._collector.collect(loss)
-        elif stats.loss is None and loss is not None and not self._collector.add_loss(stats, loss) \
-                and not self._late_loss_warned:
-            self._late_loss_warned = True
-            logger.warning("the loss given to step() after measure() is not used under torch.distributed "
-                           "(every rank must decide on the same loss): pass it to measure(loss)")
+            stats = self._collector.collect(given)
+        elif stats.loss is None and given is not None:
+            self._collector.add_loss(stats, given)
         self.last_stats = stats
         if stats.ridden is not None:  # the previous accepted step's update size
             self._log.update_size(self._collector.update_step, stats.ridden, self._index.numel)

@@ -226,6 +226,7 @@ class GradStatsCollector:
         #: transfer instead of a sync of its own; handed back as :attr:`GradStats.ridden`.
         self.rider: Optional[torch.Tensor] = None
         self.update_step = -1  #: the step whose update size :meth:`measure_update` measured last
+        self._late_loss_warned = False
         self._weights: Optional[torch.Tensor] = None  # per-entry weights of the cross-rank sum
         self._n_layers = index.n_layers
         self._params = index.params
@@ -242,15 +243,19 @@ class GradStatsCollector:
                 # Half-precision grads are accumulated in float32 so large norms do not overflow.
                 self._norm_dtype = torch.float32
 
-    def add_loss(self, stats: GradStats, loss: "LossLike") -> bool:
+    def add_loss(self, stats: GradStats, loss: "LossLike") -> None:
         """A loss given after the step's numbers were read (``measure()`` without one, then
         ``step(loss=...)``): read now, one more device read (a sync on accelerators) on this path only.
         Under torch.distributed every rank must decide on the same, averaged, loss, which only the step's
-        own transfer gives: not used, ``False``."""
-        if self._world > 1 or loss is None:
-            return False
-        stats.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
-        return True
+        own transfer gives: not used (a warning, once)."""
+        if self._world > 1:
+            if not self._late_loss_warned:
+                self._late_loss_warned = True
+                logger.warning("the loss given to step() after measure() is not used under torch.distributed "
+                               "(every rank must decide on the same loss): pass it to measure(loss)")
+            return
+        if loss is not None:
+            stats.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
 
     def measure_update(self, update: Callable[[], Any], step: int) -> None:
         """Run ``update`` (the optimizer step of ``step``) and keep the squared norm of the parameter change
