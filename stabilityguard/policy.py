@@ -558,8 +558,8 @@ class GuardPolicy:
         pos_of = {n: i for i, n in enumerate(self.detector.names[: self.n_layers])}
         layers = state.get("global_layers")
         self.global_layers = None if layers is None else tuple(pos_of[n] for n in layers if n in pos_of)
-        if self.loss is not None and state.get("loss"):
-            self.loss.load_state_dict(state["loss"])
+        if self.loss is not None:  # a checkpoint without it starts an empty window, whatever ran before
+            self.loss.load_state_dict(state.get("loss") or {})
         runs = state.get("runs") or {}
         names = self.detector.names
         self.runs = [list(map(float, runs.get(names[i], []))) for i in range(self.n_layers)]
@@ -567,8 +567,10 @@ class GuardPolicy:
         oruns = state.get("outlier_runs") or {}
         self.outlier_runs = [list(map(float, oruns.get(names[i], []))) for i in range(self.n_layers)]
         self._open_outlier_runs = any(self.outlier_runs)
-        if self.trend is not None and state.get("trend"):
-            self.trend.load_state_dict(state["trend"])
+        if self.trend is not None:
+            if not state.get("trend"):
+                self.trend = LossTrend(enter_z=self.trend.enter_z, max_steps=self.trend.max_steps)
+            self.trend.load_state_dict(state.get("trend") or {})
         self.calm_refused = int(state.get("calm_refused", 0))
         pos = {n: i for i, n in enumerate(names)}
         self.provisional = {}
@@ -577,7 +579,8 @@ class GuardPolicy:
             if name in pos and pos[name] < self.n_layers and pos[name] in old:
                 self.provisional[pos[name]] = (old, int(p["left"]))
         last = state.get("last")
-        if self.spike_jump is not None and last:  # a layer not in the checkpoint has no previous norm yet
+        self.last = None  # a layer not in the checkpoint has no previous norm yet
+        if self.spike_jump is not None and last:
             self.last = [float(last.get(names[i], 0.0)) for i in range(self.n_layers)]
 
 

@@ -600,3 +600,24 @@ def test_with_spike_jump_off_no_calm_or_coherent_exception():
     pol4 = make4(spike_jump=None)
     warm4(pol4)
     assert pol4.decide([20.0, 5.0, 5.0, 4.0], None, 17.0, 1.0).kind == REFUSE
+
+
+def test_loading_a_state_into_a_policy_that_already_ran_replaces_all_of_its_state():
+    """A checkpoint without the loss window, the trend or the last norms (an older one, or one from a guard
+    without a loss) loaded into a policy that has run: it decides like a fresh policy loaded the same way
+    (the window, trend and last norms of the run before are gone)."""
+    ran = make()
+    warm(ran, 60, loss=5.0)
+    feed(ran, [1.0, 1.0], loss=50.0, n=8)  # its loss trend is unstable, its window full of 5s
+    source = make()
+    warm(source, 40)
+    state = json.loads(json.dumps(source.state_dict(), allow_nan=False))
+    for key in ("loss", "trend", "last", "global_layers"):
+        state.pop(key)
+    fresh = make()
+    fresh.load_state_dict(state)
+    ran.load_state_dict(state)
+    assert not ran.unstable and ran.last is None and ran.loss.stats is None
+    for vals, loss in (([6.0, 1.0], 1.0), ([1.0, 1.0], 9.0), ([50.0, 1.0], 1.0), ([2.0, 2.0], None)):
+        a, b = ran.decide(vals, None, 7.0, loss), fresh.decide(vals, None, 7.0, loss)
+        assert (a.kind, a.factors, a.loss_z, a.reasons) == (b.kind, b.factors, b.loss_z, b.reasons)
