@@ -621,3 +621,21 @@ def test_loading_a_state_into_a_policy_that_already_ran_replaces_all_of_its_stat
     for vals, loss in (([6.0, 1.0], 1.0), ([1.0, 1.0], 9.0), ([50.0, 1.0], 1.0), ([2.0, 2.0], None)):
         a, b = ran.decide(vals, None, 7.0, loss), fresh.decide(vals, None, 7.0, loss)
         assert (a.kind, a.factors, a.loss_z, a.reasons) == (b.kind, b.factors, b.loss_z, b.reasons)
+
+
+def test_the_layers_the_global_baseline_describes_round_trip():
+    """``global_layers`` (a layer absent at the checkpoint) is saved by name and restored: the next step
+    restarts the global baseline or not exactly as the uninterrupted policy does."""
+    pol = make()
+    warm(pol, 40)
+    for _ in range(3):  # layer b has no gradient on these steps
+        v = pol.decide([1.0, 0.0], [True, False], 1.0, 1.0)
+        pol.commit(v, [1.0, 0.0], [True, False], 1.0, 1.0)
+    assert pol.global_layers == (0,)
+    other = make()
+    other.load_state_dict(json.loads(json.dumps(pol.state_dict(), allow_nan=False)))
+    assert other.global_layers == (0,) and other.global_ema == pol.global_ema
+    for p in (pol, other):  # b is back: both restart from the layers' baselines
+        v = p.decide([1.0, 1.0], None, 2 ** 0.5, 1.0)
+        p.commit(v, [1.0, 1.0], None, 1.0, 2 ** 0.5)
+    assert pol.global_layers is other.global_layers is None and pol.global_ema == other.global_ema

@@ -32,6 +32,7 @@ CONFIGS = {
     "clip": {"clip_grad_norm": 0.5},
     "instability": {},  # the default guard through a sustained loss rise that spans the cut (RISE)
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
+    "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
     "everything": {"nan_action": "rollback", "rollback_interval": 5, "enable_spam": True,
                    "enable_auto_calibration": True, "auto_calibration_warmup_steps": 12, "enable_helene": True,
@@ -45,6 +46,9 @@ RISE = range(22, 42)
 #: Steps where one layer's gradient is x30 with an ordinary loss: refused at the last step before the
 #: checkpoint, accepted as a new level at the first one after it (calm_shift_steps=2; config "calm_shift").
 SHIFT = range(CUT - 1, CUT + 4)
+#: Steps where one layer has no gradient (config "layer_set"): the global baseline describes the other
+#: layers at the checkpoint (``GuardPolicy.global_layers``) and all of them again after it.
+ABSENT = range(CUT - 4, CUT + 3)
 
 
 def _batches():
@@ -59,7 +63,7 @@ def _build(cfg):
     return model, opt
 
 
-def _train(model, opt, batches, start, stop, rise=False, shift=False):
+def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False):
     for step in range(start, stop):
         x, y = batches[step]
         loss = model.loss(x, y)
@@ -72,6 +76,9 @@ def _train(model, opt, batches, start, stop, rise=False, shift=False):
             FAULTS[step](model)
         if shift and step in SHIFT:
             scale_grad(model.blocks[1].mlp.fc, 30.0)
+        if absent and step in ABSENT:
+            for p in model.blocks[0].mlp.proj.parameters():
+                p.grad = None
         opt.step(loss=loss)
         opt.zero_grad()
 
@@ -80,17 +87,19 @@ def _train(model, opt, batches, start, stop, rise=False, shift=False):
 def test_resumed_run_equals_uninterrupted_bit_for_bit(name):
     cfg = CONFIGS[name]
     batches = _batches()
-    rise, shift = name == "instability", name == "calm_shift"
+    rise, shift, absent = name == "instability", name == "calm_shift", name == "layer_set"
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, STEPS, rise, shift)
+    _train(model, opt, batches, 0, STEPS, rise, shift, absent)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_counters = opt.counters
+    ref_policy = opt.state_dict()["stabilityguard"]["policy"]
     opt.close()
 
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, CUT, rise, shift)
+    _train(model, opt, batches, 0, CUT, rise, shift, absent)
     assert opt._policy.unstable == rise  # the instability is under way at the checkpoint
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
+    assert (opt._policy.global_layers is not None) == absent  # the global baseline describes a subset
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     opt.close()
@@ -99,10 +108,11 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name):
     model, opt = _build(cfg)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    _train(model, opt, batches, CUT, STEPS, rise, shift)
+    _train(model, opt, batches, CUT, STEPS, rise, shift, absent)
     for k, v in model.state_dict().items():  # bit for bit (NaN where monitor mode let a NaN step through)
         torch.testing.assert_close(v, ref[k], rtol=0, atol=0, equal_nan=True, msg=f"{name}: {k} differs after resume")
     assert opt.counters == ref_counters
+    assert opt.state_dict()["stabilityguard"]["policy"] == ref_policy  # baselines, windows, runs: all of it
     opt.close()
 
 
