@@ -145,7 +145,10 @@ def count_syncs(device: torch.device, steps: int) -> List[str]:
         lines.append(f"| {name} | {min(per_step)} / {statistics.median(per_step):g} / {max(per_step)} | {odd} "
                      f"| {site_text} |")
     lines += ["", "Expected: 0 for plain AdamW, 1 for every guard configuration (the step's one transfer); "
-              "a summary step (every `log_every`) adds none unless `enable_helene` is on.", ""]
+              "a summary step (every `log_every`) adds none unless `enable_helene` is on. With "
+              "`nan_action=rollback` the snapshot copies to `snapshot_device` (cpu; every `rollback_interval` "
+              "accepted steps) and the restores at +5 and +15 are device-to-host and host-to-device copies: "
+              "more on those steps, by design; the other steps 1.", ""]
     return lines
 
 
@@ -188,6 +191,10 @@ def bit_identity(device: torch.device, steps: int) -> List[str]:
                  f"Tiny GPT, {steps} steps, the fault at step {k}; deterministic algorithms on.", "",
                  "| refusal | guard's counters | identical to plain AdamW without step k |", "|---|---|---|"]
         for name, fault, kw in (("x1000 spike, skip", lambda m: scale_grad(fc(m), 1000.0), {}),
+                                # the same without the graded response: comparable even if the device's
+                                # numerics make the default guard scale back some other step
+                                ("x1000 spike, skip, graded_response=False", lambda m: scale_grad(fc(m), 1000.0),
+                                 {"graded_response": False}),
                                 # a snapshot after every accepted step: the rollback returns to just before step k
                                 ("NaN, rollback", lambda m: poison_grad(fc(m)),
                                  {"nan_action": "rollback", "rollback_interval": 1}),

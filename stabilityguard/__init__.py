@@ -51,6 +51,10 @@ def __getattr__(name: str):
         return GuardedOptimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def __dir__() -> list:
+    return sorted(set(globals()) | {"GuardedOptimizer"})
+
 __all__ = [
     "Action",
     "ActionTaken",

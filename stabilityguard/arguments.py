@@ -60,8 +60,9 @@ def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
     """The loss handed to the guard, as the guard reads it: a tensor (read in the step's one transfer),
     a plain ``float``, or ``None``.
 
-    Numbers of any kind (numpy and tensor scalars, a one-element numpy array) become a ``float``; anything
-    else (a string, a bool, a list, an array of several values) is a ``TypeError`` naming ``where``.
+    Real numbers of any kind (Python, numpy scalars, a one-element numpy array of integers or floats)
+    become a ``float``; anything else (a string, a bool, a complex number, a list, an array of several
+    values, an integer too large for a float) is a ``TypeError`` naming ``where``.
 
     Example:
         >>> import numpy as np
@@ -70,12 +71,14 @@ def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
     """
     if loss is None or isinstance(loss, torch.Tensor):
         return loss
-    if isinstance(loss, (bool, str, bytes)) or type(loss).__name__ == "bool_":
+    try:
+        if type(loss).__module__ == "numpy":  # numpy scalars and arrays: by their dtype (np.bool_ is no number)
+            if getattr(loss, "size", 0) == 1 and getattr(getattr(loss, "dtype", None), "kind", "") in "fiu":
+                return float(loss.reshape(-1)[0])
+        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+            return float(loss)
+    except (OverflowError, TypeError, ValueError):
         pass
-    elif isinstance(loss, numbers.Real):
-        return float(loss)
-    elif type(loss).__module__ == "numpy" and getattr(loss, "size", None) == 1:
-        return float(loss.reshape(-1)[0])
     shown = repr(loss)
     raise TypeError(f"{where} must be a tensor, a real number or None; got {type(loss).__name__} "
                     f"{shown if len(shown) <= 40 else shown[:40] + '...'}")

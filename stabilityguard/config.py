@@ -277,14 +277,14 @@ class GuardConfig:
         _check_number("instability_z", self.instability_z, low=0.0, low_inclusive=False)
         _check_number("spike_jump", self.spike_jump, low=1.0, none_ok=True)
         _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False, none_ok=True)
-        _check_int("loss_window", self.loss_window, low=20)
+        _check_int("loss_window", self.loss_window, low=20, high=MAX_WINDOW)
         _check_int("level_shift_steps", self.level_shift_steps, low=2)
         _check_number("level_shift_spread", self.level_shift_spread, low=1.0)
         _check_number("coherent_share", self.coherent_share, low=0.0, low_inclusive=False, high=1.0, none_ok=True)
         if not isinstance(self.early_clip, bool):
             raise ConfigError(f"early_clip must be True or False; got {self.early_clip!r}")
         _check_int("calm_shift_steps", self.calm_shift_steps, low=2, none_ok=True)
-        _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1)
+        _check_int("flight_recorder_steps", self.flight_recorder_steps, low=1, high=MAX_WINDOW)
         if not isinstance(self.track_update_size, bool):
             raise ConfigError(f"track_update_size must be True or False; got {self.track_update_size!r}")
         _check_int("rollback_interval", self.rollback_interval, low=1)
@@ -376,7 +376,7 @@ def _native(value: Any) -> Any:
         except (OverflowError, ValueError):
             return value
     if isinstance(value, str):
-        return str(value)
+        return str.__str__(value)  # a str subclass's own text: a (str, Enum) member gives its value
     return value
 
 
@@ -419,16 +419,17 @@ def _check_number(
                           f"got {_shown(value)}")
 
 
-#: The largest integer setting: step counts and window lengths far beyond any run (deques and counters
-#: beyond it fail in C).
-MAX_INT_SETTING = 10**9
+#: The longest window (``loss_window``, ``flight_recorder_steps``): far beyond any run; a deque of more
+#: fails in C.
+MAX_WINDOW = 10**9
 
 
-def _check_int(name: str, value: Any, *, low: int, high: int = MAX_INT_SETTING, none_ok: bool = False) -> None:
+def _check_int(name: str, value: Any, *, low: int, high: Optional[int] = None, none_ok: bool = False) -> None:
     if none_ok and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
-        top = f" and <= {high:,}" if isinstance(value, numbers.Integral) and value > high else ""  # when it matters
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low \
+            or (high is not None and value > high):
+        top = f" and <= {high:,}" if high is not None and isinstance(value, numbers.Integral) and value > high else ""
         raise ConfigError(f"{name} must be an integer >= {low}{top}{' or None' if none_ok else ''}; "
                           f"got {_shown(value)}")
 

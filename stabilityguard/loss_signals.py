@@ -16,7 +16,9 @@ class LossMonitor:
 
     Outliers never enter the window as they are: a loss above ``median + z_threshold x scale`` enters it
     at that bound (winsorised), so a sustained rise still moves the window, slowly, while a single bad
-    batch barely does. The median and MAD are refreshed every ``REFRESH`` losses.
+    batch barely does. The median and MAD are refreshed every ``REFRESH`` losses. A window with a MAD of 0
+    (more than half of it at the median: a loss often exactly 0, a loss rounded to a few values) gives no
+    z-score.
 
     Args:
         window: Losses kept.
@@ -44,7 +46,8 @@ class LossMonitor:
         self.run: List[float] = []  # the current run of consecutive outliers (raw values)
         self.values: Deque[float] = deque(maxlen=self.window)
         self.added = 0  # losses added so far (schedules the refreshes)
-        self.stats: Optional[Tuple[float, float]] = None  # (median, scale) of the last refresh
+        #: (median, scale) of the last refresh; the scale is ``None`` when the MAD is 0 (no z-score then)
+        self.stats: Optional[Tuple[float, Optional[float]]] = None
 
     def _refresh(self) -> None:
         xs = sorted(self.values)
@@ -52,21 +55,21 @@ class LossMonitor:
         med = 0.5 * (xs[(n - 1) // 2] + xs[n // 2])
         dev = sorted([abs(x - med) for x in xs])
         mad = 0.5 * (dev[(n - 1) // 2] + dev[n // 2])
-        # 1.4826 MAD estimates the standard deviation of a normal; a floor keeps a flat loss sane.
-        scale = 1.4826 * mad
-        if scale == 0.0:
+        if mad == 0.0:
             # more than half the window sits at the median (a loss that is often exactly 0, a loss rounded
-            # to few values): the MAD says nothing, the mean absolute deviation (1.2533 x: a normal's
-            # standard deviation) still measures the spread
-            scale = 1.2533 * sum(dev) / n
-        self.stats = (med, max(scale, 1e-3 * abs(med), 1e-12))
+            # to a few values): its spread is unknown, so no loss is an outlier of it (a floor under the
+            # scale made every positive loss of a mostly-zero hinge loss one, z ~ 1e11)
+            self.stats = (med, None)
+            return
+        # 1.4826 MAD estimates the standard deviation of a normal; a floor keeps a nearly flat loss sane.
+        self.stats = (med, max(1.4826 * mad, 1e-3 * abs(med), 1e-12))
 
     def zscore(self, loss: Optional[float]) -> Optional[float]:
         """The loss's robust z-score, or ``None`` (no loss, too few values, or a non-finite loss)."""
         if loss is None or self.stats is None or len(self.values) < self.min_count or not math.isfinite(loss):
             return None
         med, scale = self.stats
-        return (loss - med) / scale
+        return None if scale is None else (loss - med) / scale
 
     def add(self, loss: Optional[float], outlier: bool = False) -> None:
         """Add an accepted step's loss (winsorised at the outlier bound). ``shift_after`` outliers in a
@@ -79,7 +82,7 @@ class LossMonitor:
             self.run = []
             self._refresh()
             return
-        if self.stats is not None and len(self.values) >= self.min_count:
+        if self.stats is not None and self.stats[1] is not None and len(self.values) >= self.min_count:
             med, scale = self.stats
             loss = min(loss, med + self.z_threshold * scale)
         self.values.append(float(loss))
@@ -96,7 +99,7 @@ class LossMonitor:
         self.added = int(state.get("added", len(self.values)))
         self.run = [float(v) for v in state.get("run", [])]
         st = state.get("stats")
-        self.stats = (float(st[0]), float(st[1])) if st else None
+        self.stats = (float(st[0]), None if st[1] is None else float(st[1])) if st else None
         if self.stats is None and self.values:
             self._refresh()
 

@@ -107,6 +107,7 @@ class Verdict:
         calm_shift: Those of them accepted after ``calm_shift_steps``, their loss calm on every step.
         shift_steps: For every layer whose new level is accepted at this step, the length of the run that
             made it one (consecutive spikes, or consecutive scaled-back steps for a settled outlier).
+        joining: Layers that joined after the run's warm-up, scaled back within their own (``early_clip``).
     """
 
     kind: str
@@ -118,6 +119,7 @@ class Verdict:
     consistent_shift: Sequence[int] = ()
     calm_shift: Sequence[int] = ()
     shift_steps: Dict[int, int] = field(default_factory=dict)
+    joining: Sequence[int] = ()
 
     @property
     def accepted(self) -> bool:
@@ -300,6 +302,12 @@ class GuardPolicy:
                 reasons.append("layer")
             else:
                 factors = None
+        joining = self._joining(values, present)
+        if joining:  # a layer that joined after the run's warm-up and jumped within its own
+            factors = [min(f, joining.get(i, 1.0)) for i, f in enumerate(factors)] if factors else \
+                [joining.get(i, 1.0) for i in range(self.n_layers)]
+            if "layer" not in reasons:
+                reasons.append("layer")
         unstable = self.unstable
         cap = min(self.instability_clip, lim) if (unstable and not young) else lim  # the hold only ever tightens
         # a layer's new level moves the total too (unless the loss says the run is unstable)
@@ -313,7 +321,7 @@ class GuardPolicy:
             reasons.append("loss")
         if factors is None:
             return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early, calm_shift=calm)
-        return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm)
+        return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm, joining=tuple(joining))
 
     def _tame(self, i: int, ratio: float) -> bool:
         """Is ``ratio`` of layer ``i`` under the runaway bound, ``spike_jump`` x its threshold? (Never
@@ -338,6 +346,18 @@ class GuardPolicy:
             return []
         return [i for i, m in enumerate(mask) if m and self._tame(i, decision.ratios[i])]
 
+    def _joining(self, values: Sequence[float], present: Optional[Sequence[bool]]) -> Dict[int, float]:
+        """``early_clip`` for a layer that joins after the run's warm-up (unfrozen, a parameter group
+        added): while it warms up on its own, a norm over ``spike_threshold`` x its young mean is scaled
+        back to ``outlier_ratio`` x that mean (its factor, by layer); the global rule leaves young layers
+        out, so nothing else would. Empty on every step once all layers are covered."""
+        det = self.detector
+        if not self.early_clip or det.all_ready or self.global_count < self.warmup_steps:
+            return {}
+        return {i: self.outlier_ratio * det.ema[i] / values[i] for i in range(self.n_layers)
+                if det.count[i] > 0 and not det.covered(i) and (present is None or present[i])
+                and det.ema[i] > 0 and values[i] > det.threshold * det.ema[i]}
+
     def _young(self, global_norm: float, ema: float) -> bool:
         """``early_clip``: before ``warmup_steps``, from the ``EARLY_MIN``-th step, is the global norm over
         ``spike_threshold`` x the mean of the accepted ones so far?"""
@@ -350,7 +370,9 @@ class GuardPolicy:
         """The layers the global rule looks at this step (``None``: all), their total norm, and the global
         baseline for them: when the set differs from the one the baseline describes
         (:attr:`global_layers`), the root of the sum of the squared baselines of this step's layers (each
-        layer's own baseline is never mixed with steps it was absent from). Changes nothing."""
+        layer's own baseline is never mixed with steps it was absent from); during a loss instability,
+        whose hold the layers' baselines do not share, the held baseline times the ratio of that root for
+        the new set to the one for the old set. Changes nothing."""
         det, n = self.detector, self.n_layers
         if present is None and det.all_ready and self.global_layers is None:
             return None, global_norm, self.global_ema  # the common step: every layer present and covered
@@ -360,9 +382,14 @@ class GuardPolicy:
         gn = global_norm if key is None else math.sqrt(sum(values[i] * values[i] for i in layers))
         ema = self.global_ema
         if key != self.global_layers and self.global_count:
-            restart = math.sqrt(sum(det.ema[i] * det.ema[i] for i in layers))
-            if restart > 0:
-                ema = restart
+            now = math.sqrt(sum(det.ema[i] * det.ema[i] for i in layers))
+            if self.unstable:  # the hold stays: the baseline moves by the layers' ratio, never to their level
+                old = range(n) if self.global_layers is None else self.global_layers
+                was = math.sqrt(sum(det.ema[i] * det.ema[i] for i in old))
+                if was > 0 and now > 0:
+                    ema *= now / was
+            elif now > 0:
+                ema = now
         return key, gn, ema
 
     def _consistent_shifts(self, decision: Decision, loss: Optional[float]) -> Tuple[List[int], List[int]]:
@@ -451,7 +478,12 @@ class GuardPolicy:
                     self.outlier_runs[i] = []
             self._open_runs = any(self.runs)
             self._open_outlier_runs = any(self.outlier_runs)
-        det.commit(decision, values, present)
+        fed = values
+        if verdict.joining:  # a joining layer's young baseline takes its norm as it was scaled back
+            factors, group, joining = verdict.factors, det.group, set(verdict.joining)
+            assert factors is not None
+            fed = [v * factors[group[j]] if group[j] in joining else v for j, v in enumerate(values)]
+        det.commit(decision, fed, present)
         self._provisional_levels(verdict, before, values, present)
         if verdict.accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
             n = self.n_layers
@@ -549,8 +581,8 @@ class GuardPolicy:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load :meth:`state_dict` output (an old checkpoint holding only detector state works too)."""
-        if "detector" not in state:  # a 0.1 checkpoint: the detector's own state
-            self.detector.load_state_dict(state)
+        if "detector" not in state:  # a 0.1 checkpoint: the detector's own state, the rest starts afresh
+            self.load_state_dict({"detector": state})
             return
         self.detector.load_state_dict(state["detector"])
         self.global_ema = float(state.get("global_ema", 0.0))

@@ -19,5 +19,5 @@ def test_dry_run_on_cpu(tmp_path):
     assert out.read_text(encoding="utf-8") == text
     assert "needs CUDA: skipped" in text and "tests/test_host_reads.py" in text
     rows = [line for line in text.splitlines() if line.startswith("| x1000") or line.startswith("| NaN")]
-    assert len(rows) == 3 and all(row.endswith("| yes |") for row in rows), rows
+    assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), rows
     assert "| gpt-tiny |" in text

@@ -4,6 +4,7 @@ Each case was a bug found by an outside review; each test fails on the code befo
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Dict, List
 
@@ -182,16 +183,18 @@ def _hinge(pass_loss: bool):
 def test_a_loss_that_is_often_exactly_zero_keeps_its_learning_signal():
     """A hinge loss exactly 0 on most batches: the window's median and MAD are 0, and every positive loss
     had a z-score near 1e11: 170 of the 600 steps, the only ones that teach anything, were scaled to ~0,
-    and the model ended worse than with no loss given. The mean absolute deviation now measures the
-    spread: few steps are scaled back, and the loss signal no longer hurts."""
+    and the model ended 36% worse than with no loss given (0.166 against 0.122). Such a window now gives
+    no z-score: only the early steps, while most losses are positive, are outliers of their window."""
     positive, loss_clips, held_out = _hinge(True)
     assert positive < 300  # the case: more than half of the losses exactly 0
-    assert len(loss_clips) < 0.25 * positive, (len(loss_clips), positive)
-    assert held_out <= _hinge(False)[2]
+    assert len(loss_clips) < 0.1 * positive, (len(loss_clips), positive)
+    assert held_out <= 1.1 * _hinge(False)[2]
 
 
 def test_a_loss_rounded_to_a_few_values_is_not_an_outlier_one_rounding_step_up():
-    """A bf16 loss on a plateau: most losses equal the median, MAD 0; one bf16 step up was z = 7.8."""
+    """A bf16 loss on a plateau: most losses equal the median, MAD 0; one bf16 step up was z = 7.8. Such a
+    window gives no z-score (its spread is unknown): the loss signal is blind there, the gradient norms
+    are not."""
     random.seed(0)
     lm = LossMonitor(window=128, z_threshold=6.0, min_count=20)
     flagged = 0
@@ -201,7 +204,11 @@ def test_a_loss_rounded_to_a_few_values_is_not_an_outlier_one_rounding_step_up()
         flagged += z is not None and z > 6.0
         lm.add(loss, outlier=z is not None and z > 6.0)
     assert flagged == 0
-    assert lm.zscore(2.0 * 1.5) > 6.0  # a real jump still is one
+    assert lm.stats[1] is None and lm.zscore(3.0) is None  # blind while the MAD is 0, as documented
+    lm.add(2.5)  # losses that spread again...
+    for x in [1.9, 2.1, 2.2, 1.8, 2.05, 1.95, 2.3, 1.7] * 10:
+        lm.add(x)
+    assert lm.stats[1] is not None and lm.zscore(10.0) > 6.0  # ...give a z-score again
 
 
 def test_every_covered_layer_rising_together_with_a_calm_loss_is_coherent():
@@ -233,7 +240,12 @@ def test_a_loss_given_to_step_after_measure_without_one_is_used():
     assert opt.recorder.window()[-1]["loss"] == 1.25 and opt.counters.last_loss == 1.25
 
 
-@pytest.mark.parametrize("bad", ["1.5", True, [1.0], (1.0,), {"loss": 1.0}])
+def _numpy_bads():
+    np = pytest.importorskip("numpy")
+    return [np.True_, np.array("1.5"), np.array([b"2"]), np.array([1 + 2j])]
+
+
+@pytest.mark.parametrize("bad", ["1.5", True, [1.0], (1.0,), {"loss": 1.0}, 10**400, 1 + 2j, "numpy"])
 def test_a_loss_of_the_wrong_type_is_a_type_error_naming_the_argument(bad):
     """A string was silently read as a number, a two-element numpy array raised numpy's own error; each
     entry point now names itself and says what it takes. The gradients are left as they were."""
@@ -241,10 +253,11 @@ def test_a_loss_of_the_wrong_type_is_a_type_error_naming_the_argument(bad):
     opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False)
     m(torch.randn(4, 2)).sum().backward()
     before = m.weight.detach().clone()
-    for call, name in ((lambda: opt.step(loss=bad), r"step\(loss=\.\.\.\)"), (lambda: opt.measure(bad), r"measure"),
-                       (lambda: opt.observe_loss(bad), r"observe_loss")):
-        with pytest.raises(TypeError, match=name + r".* must be a tensor, a real number or None; got "):
-            call()
+    for value in (_numpy_bads() if bad == "numpy" else [bad]):  # np.bool_, strings, bytes, complex
+        for call, name in ((lambda: opt.step(loss=value), r"step\(loss=\.\.\.\)"),
+                           (lambda: opt.measure(value), r"measure"), (lambda: opt.observe_loss(value), r"observe_loss")):
+            with pytest.raises(TypeError, match=name + r".* must be a tensor, a real number or None; got "):
+                call()
     assert opt.counters.steps == 0 and torch.equal(m.weight, before)
 
 
@@ -287,3 +300,66 @@ def test_under_torch_distributed_a_late_loss_is_not_used_and_said_once(caplog):
     collector._world = 1
     collector.add_loss(stats, torch.tensor(1.25))
     assert stats.loss == 1.25
+
+
+@pytest.mark.parametrize("positive_share", [0.05, 0.1, 0.15, 0.3])
+def test_a_mostly_zero_loss_gives_no_outlier_at_any_share_of_positive_losses(positive_share):
+    """A mean-absolute-deviation fallback for a zero MAD collapsed to the 1e-12 floor within a few refreshes
+    (winsorised values entered the window) when fewer than ~15% of the losses were positive: every one of
+    them was then an outlier again. A window with a zero MAD now gives no z-score at all."""
+    rng = random.Random(1)
+    lm = LossMonitor(window=128, z_threshold=6.0, min_count=20)
+    flagged = 0
+    for _ in range(3000):
+        loss = rng.uniform(0.05, 1.0) if rng.random() < positive_share else 0.0
+        z = lm.zscore(loss)
+        flagged += z is not None and z > 6.0
+        lm.add(loss, outlier=z is not None and z > 6.0)
+    assert flagged == 0
+
+
+def test_the_instability_hold_survives_a_layer_that_comes_and_goes():
+    """During a loss instability the global baseline is held; a restart from the layers' own baselines
+    (which follow the rising norms) whenever an auxiliary layer came or went undid the hold (1.60 -> 4.40)."""
+    def held(aux_every):
+        pol = GuardPolicy(["a", "b", "aux"], 3, [0, 1, 2], spike_threshold=10.0, ema_alpha=0.01, warmup_steps=5)
+        for s in range(400):
+            aux = bool(aux_every) and s % aux_every == 0
+            grow = 1.0 if s < 200 else 1.0 + 0.02 * (s - 200)  # the norms grow x5 over 200 steps...
+            loss = 2.0 + 0.01 * (-1) ** s + (0.0 if s < 200 else 0.02 * (s - 200))  # ...and the loss climbs
+            v, present = [grow, grow, grow if aux else 0.0], (None if aux else [True, True, False])
+            gn = math.sqrt(sum(x * x for x in v))
+            pol.commit(pol.decide(v, present, gn, loss), v, present, loss, gn)
+        assert pol.unstable
+        return pol.global_ema
+
+    assert held(10) <= 1.1 * held(0) < 2.0
+
+
+def test_a_layer_that_joins_later_is_guarded_while_it_warms_up():
+    """The global rule leaves a young (joining) layer out; a x1000 fault on its third step was then taken
+    unscaled and became its baseline. While it warms up, a norm over spike_threshold x its young mean is
+    scaled back (early_clip), and its young baseline takes the scaled-back norm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    fault = {"on": False}
+    model[2].weight.register_hook(lambda g: g * 1000.0 if fault["on"] else g)
+    for p in model[2].parameters():
+        p.requires_grad_(False)
+    capture = Capture()
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), model, log_dir=None, verbose=False,
+                           sinks=[capture])
+    for step in range(40):
+        if step == 30:
+            for p in model[2].parameters():
+                p.requires_grad_(True)
+        fault["on"] = step == 32  # the head's third step with a gradient
+        x, target = _batch(step)
+        loss = (model(x) - target).pow(2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    clip = [c for c in capture.clips() if c["step"] == 32]
+    assert clip and clip[0]["clipped_layers"]["2"] < 0.01
+    head = opt._names.index("2")
+    assert opt._detector.ema[head] < 10 * opt.last_stats.values[head]  # its baseline did not take the x1000

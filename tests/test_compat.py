@@ -228,7 +228,7 @@ def test_reports_and_cli_do_not_import_torch_and_the_optimizer_is_imported_on_fi
             "from stabilityguard import GuardedOptimizer, JsonlSink\n"
             "from stabilityguard.optimizer import GuardedOptimizer as G\n"
             "assert GuardedOptimizer is G is stabilityguard.GuardedOptimizer and 'torch' in sys.modules\n"
-            "assert 'GuardedOptimizer' in stabilityguard.__all__\n"
+            "assert 'GuardedOptimizer' in stabilityguard.__all__ and 'GuardedOptimizer' in dir(stabilityguard)\n"
             "try:\n"
             "    stabilityguard.NoSuchThing\n"
             "except AttributeError as e:\n"

@@ -95,6 +95,11 @@ def test_number_types_are_stored_as_plain_python_values():
         assert type(getattr(cfg, name)) is kind, name
     assert cfg.spike_threshold == 10.5
     json.dumps(cfg.to_dict())
+    from stabilityguard import Action
+    import sys
+
+    assert GuardConfig(log_dir=None, nan_action=Action.ROLLBACK).nan_action == "rollback"  # a (str, Enum) member
+    assert GuardConfig(log_dir=None, log_every=sys.maxsize).log_every == sys.maxsize  # only windows have a cap
 
 
 @pytest.mark.parametrize("kwargs,pattern", [

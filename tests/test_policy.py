@@ -639,3 +639,21 @@ def test_the_layers_the_global_baseline_describes_round_trip():
         v = p.decide([1.0, 1.0], None, 2 ** 0.5, 1.0)
         p.commit(v, [1.0, 1.0], None, 1.0, 2 ** 0.5)
     assert pol.global_layers is other.global_layers is None and pol.global_ema == other.global_ema
+
+
+def test_an_old_detector_only_checkpoint_resets_the_rest_of_a_policy_that_ran():
+    """A 0.1 checkpoint holds the detector's state only: the loss window, trend, last norms and global
+    baseline of a policy that already ran are reset, as in a fresh policy loaded the same way."""
+    source = make()
+    warm(source, 40)
+    old_format = source.detector.state_dict()
+    ran = make()
+    warm(ran, 60, loss=5.0)
+    feed(ran, [1.0, 1.0], loss=50.0, n=8)  # unstable, its window full of 5s
+    fresh = make()
+    fresh.load_state_dict(old_format)
+    ran.load_state_dict(old_format)
+    assert not ran.unstable and ran.last is None and ran.global_count == 0
+    for vals, loss in (([6.0, 1.0], 1.0), ([1.0, 1.0], 9.0), ([50.0, 1.0], 1.0)):
+        a, b = ran.decide(vals, None, 7.0, loss), fresh.decide(vals, None, 7.0, loss)
+        assert (a.kind, a.factors, a.loss_z, a.reasons) == (b.kind, b.factors, b.loss_z, b.reasons)

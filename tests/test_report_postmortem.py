@@ -420,3 +420,30 @@ def test_plots_are_the_files_tight_layout_and_savefig_give(run15, tmp_path, monk
 
     monkeypatch.setattr(plots, "_save", save_as_before)
     assert draw_all(tmp_path / "old") == new
+
+
+def test_level_change_lines_for_every_kind_of_baseline_reset_record(tmp_path):
+    """A record without `consecutive` (the loader reads it as unknown) turned the column to floats: every
+    line read '6.0 steps in a row' and that one 'nan steps in a row'. Each kind now reads right."""
+    sample = Path(__file__).resolve().parent.parent / "reports" / "demo-logs" / "events-quickstart-sample.jsonl"
+    src = sample.read_text(encoding="utf-8").splitlines()
+    recs = [json.loads(line) for line in src]
+    end = next(i for i, r in enumerate(recs) if r["kind"] == "run_end")
+    head = {k: recs[0][k] for k in ("schema_version", "run_id", "rank")}
+
+    def reset(step, consecutive, old=0.5, new=3.0):
+        r = dict(head, kind="baseline_reset", step=step, time=recs[end]["time"], layer="blocks.0.attn.qkv",
+                 old_baseline=old, new_baseline=new)
+        if consecutive is not None:
+            r["consecutive"] = consecutive
+        return json.dumps(r)
+
+    extra = [reset(200, 6), reset(210, None), reset(220, 0, 3.0, 0.6), reset(230, 2, None, 3.0)]
+    (tmp_path / "events-x.jsonl").write_text("\n".join(src[:end] + extra + src[end:]) + "\n", encoding="utf-8")
+    md = postmortem_markdown(load_run(tmp_path))
+    lines = {int(line.split(":")[0].split()[-1]): line for line in md.splitlines() if line.startswith("- step 2")}
+    assert "stayed far above its baseline for 6 steps in a row (x6 at the last)" in lines[200]
+    assert "stayed far above its baseline (x6 at the last); its new level was accepted" in lines[210]
+    assert "fell back to its old level; the level taken early was undone" in lines[220]
+    assert "for 2 steps in a row; its new level was accepted (baseline n/a -> 3)" in lines[230]
+    assert ".0 steps" not in md and "nan steps" not in md

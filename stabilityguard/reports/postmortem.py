@@ -466,11 +466,11 @@ def postmortem_markdown(
             lines.append(f"- step {r['step']}: {md_code(r['layer'])} fell back to its old level; the level "
                          f"taken early was undone (baseline {_fmt(r['old_baseline'])} -> {_fmt(r['new_baseline'])})")
         else:
-            old, new = r["old_baseline"], r["new_baseline"]
+            old, new, n = r["old_baseline"], r["new_baseline"], r["consecutive"]
             times = f" (x{_fmt(new / old)} at the last)" if old and old > 0 and new == new else ""
-            lines.append(f"- step {r['step']}: {md_code(r['layer'])} stayed far above its baseline for "
-                         f"{r['consecutive']} steps in a row{times}; its new level was accepted (baseline "
-                         f"{_fmt(old)} -> {_fmt(new)})")
+            run_of = f" for {int(n)} steps in a row" if n is not None and n == n else ""  # missing in the record
+            lines.append(f"- step {r['step']}: {md_code(r['layer'])} stayed far above its baseline{run_of}{times}; "
+                         f"its new level was accepted (baseline {_fmt(old)} -> {_fmt(new)})")
     if lines:
         out += lines + [""]
     clips = run.actions[run.actions["action"] == "clip"] if len(run.actions) else run.actions
