@@ -105,8 +105,12 @@ class BufferGuard:
             else:
                 backup, live = [t for i in idx for t in self.backup[i]], [t for i in idx for t in self.groups[i]]
             dst, src = (backup, live) if to_backup else (live, backup)
-            with torch.no_grad():
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python context manager (~1.5 us)
+            try:
                 torch._foreach_copy_(dst, src)
+            finally:
+                torch._C._set_grad_enabled(grad)
         return idx
 
     def mark(self) -> None:
