@@ -88,30 +88,44 @@ class BufferGuard:
     def __init__(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
         self.groups = [list(g) for g in groups if g]
         self.backup = [[b.detach().clone() for b in g] for g in self.groups]
-        self.versions = [[b._version for b in g] for g in self.groups]
+        self.versions = self._versions()
+        # every module at once (the common case in training: each BatchNorm moved), without list building
+        self._all = ([t for g in self.backup for t in g], [t for g in self.groups for t in g])
 
-    def _changed(self) -> List[int]:
-        return [i for i, (g, vs) in enumerate(zip(self.groups, self.versions)) if [b._version for b in g] != vs]
+    def _versions(self) -> List[List[int]]:
+        return [[b._version for b in g] for g in self.groups]
 
-    def _copy(self, dst: List[List[torch.Tensor]], src: List[List[torch.Tensor]], idx: List[int]) -> None:
-        torch._foreach_copy_([t for i in idx for t in dst[i]], [t for i in idx for t in src[i]])
-        for i in idx:
-            self.versions[i] = [b._version for b in self.groups[i]]
+    def _copy(self, to_backup: bool, now: List[List[int]]) -> List[int]:
+        """Copy the modules whose versions (``now``) moved since the mark, to the backup or back from it;
+        returns their indices."""
+        idx = [i for i, (v, w) in enumerate(zip(now, self.versions)) if v != w]
+        if idx:
+            if len(idx) == len(self.groups):
+                backup, live = self._all
+            else:
+                backup, live = [t for i in idx for t in self.backup[i]], [t for i in idx for t in self.groups[i]]
+            dst, src = (backup, live) if to_backup else (live, backup)
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python context manager (~1.5 us)
+            try:
+                torch._foreach_copy_(dst, src)
+            finally:
+                torch._C._set_grad_enabled(grad)
+        return idx
 
     def mark(self) -> None:
-        """Record the current buffers as the state to return to (runs after every step: the grad mode is
-        switched only when there is something to copy)."""
-        idx = self._changed()
-        if idx:
-            with torch.no_grad():
-                self._copy(self.backup, self.groups, idx)
+        """Record the current buffers as the state to return to (runs after every step: one read of each
+        buffer's version; the grad mode is switched only when there is something to copy)."""
+        now = self._versions()
+        if now != self.versions:
+            self._copy(True, now)
+            self.versions = now
 
     def restore(self) -> int:
         """Put back the buffers of every module changed since :meth:`mark`; returns how many buffers."""
-        idx = self._changed()
+        idx = self._copy(False, self._versions())
         if idx:
-            with torch.no_grad():
-                self._copy(self.groups, self.backup, idx)
+            self.versions = self._versions()  # the copies moved the versions of the live buffers
         return sum(len(self.groups[i]) for i in idx)
 
 

@@ -76,12 +76,15 @@ class LossMonitor:
         row are a new level: the window restarts from them (a data-mix change, not a bad batch)."""
         if loss is None or not math.isfinite(loss):
             return
-        self.run = self.run + [float(loss)] if outlier else []
-        if len(self.run) >= self.shift_after:
-            self.values = deque(self.run, maxlen=self.window)
+        if outlier:
+            self.run = self.run + [float(loss)]
+            if len(self.run) >= self.shift_after:
+                self.values = deque(self.run, maxlen=self.window)
+                self.run = []
+                self._refresh()
+                return
+        elif self.run:
             self.run = []
-            self._refresh()
-            return
         if self.stats is not None and self.stats[1] is not None and len(self.values) >= self.min_count:
             med, scale = self.stats
             loss = min(loss, med + self.z_threshold * scale)

@@ -264,21 +264,24 @@ class GuardPolicy:
                 loss: Optional[float]) -> Verdict:
         det = self.detector
         decision = det.evaluate(values, present)
-        early, calm = self._consistent_shifts(decision, loss)
-        if early:
-            decision = _accept_shifts(decision, early)
-        if not decision.accepted and self.spike_jump is not None and self.last is not None:
-            last, jump, mask = self.last, self.spike_jump, decision.spike_mask
-            # a rise under spike_jump x the last accepted norm is gradual, up to spike_jump x the layer's
-            # threshold: beyond that it is refused however it got there (a runaway doubling every step)
-            gradual = [i for i, m in enumerate(mask)
-                       if m and last[i] > 0 and values[i] < jump * last[i] and self._tame(i, decision.ratios[i])]
-            if gradual:
-                decision = _unspike(decision, gradual)
-        if not decision.accepted and self.coherent_share is not None:
-            coherent = self._coherent_rise(decision, loss)
-            if coherent:
-                decision = _unspike(decision, coherent)
+        early: List[int] = []
+        calm: List[int] = []
+        if decision.spike_mask is not None:  # a layer over its threshold (the common step has none)
+            early, calm = self._consistent_shifts(decision, loss)
+            if early:
+                decision = _accept_shifts(decision, early)
+            if not decision.accepted and self.spike_jump is not None and self.last is not None:
+                last, jump, mask = self.last, self.spike_jump, decision.spike_mask
+                # a rise under spike_jump x the last accepted norm is gradual, up to spike_jump x the layer's
+                # threshold: beyond that it is refused however it got there (a runaway doubling every step)
+                gradual = [i for i, m in enumerate(mask) if m and last[i] > 0 and values[i] < jump * last[i]
+                           and self._tame(i, decision.ratios[i])]
+                if gradual:
+                    decision = _unspike(decision, gradual)
+            if not decision.accepted and self.coherent_share is not None:
+                coherent = self._coherent_rise(decision, loss)
+                if coherent:
+                    decision = _unspike(decision, coherent)
         z = self.loss.zscore(loss) if self.loss is not None else None
         if not decision.accepted:
             return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early, calm_shift=calm)
@@ -446,11 +449,11 @@ class GuardPolicy:
         det, decision = self.detector, verdict.decision
         view = self._global_view(values, present, global_norm if global_norm is not None else
                                  math.sqrt(sum(v * v for v in values[: self.n_layers])))
-        before = det.baselines() if (not verdict.accepted or decision.shifted) else []
+        accepted, shifts, mask = verdict.kind != REFUSE, decision.level_shift, decision.spike_mask
+        before = det.baselines() if (not accepted or shifts is not None) else []
         if self.calm_shift_steps is not None:
             assert self.trend is not None
-            self.calm_refused = (self.calm_refused + 1 if not verdict.accepted and self.trend.calm(loss) else 0)
-        mask = decision.spike_mask
+            self.calm_refused = (self.calm_refused + 1 if not accepted and self.trend.calm(loss) else 0)
         if mask is not None or self._open_runs:  # the common step has neither: no loop over layers
             for i in range(self.n_layers):
                 if mask is not None and mask[i]:
@@ -459,20 +462,20 @@ class GuardPolicy:
                     self.runs[i] = []
             self._open_runs = any(self.runs)
         if verdict.kind == CLIP and "layer" in verdict.reasons:
-            lim, shifted = self.outlier_ratio, decision.level_shift
+            lim = self.outlier_ratio
             for i, r in enumerate(decision.ratios[: self.n_layers]):
-                if r > lim and not (shifted is not None and shifted[i]):
+                if r > lim and not (shifts is not None and shifts[i]):
                     self.outlier_runs[i].append(r)
                 elif self.outlier_runs[i] and (present is None or present[i]):
                     self.outlier_runs[i] = []
             self._open_outlier_runs = any(self.outlier_runs)
-        elif self._open_outlier_runs and verdict.accepted:
+        elif self._open_outlier_runs and accepted:
             for i in range(self.n_layers):
                 if self.outlier_runs[i] and (present is None or present[i]):
                     self.outlier_runs[i] = []
             self._open_outlier_runs = any(self.outlier_runs)
-        if decision.level_shift is not None:
-            for i, s in enumerate(decision.level_shift):
+        if shifts is not None:
+            for i, s in enumerate(shifts):
                 if s:
                     self.runs[i] = []
                     self.outlier_runs[i] = []
@@ -484,8 +487,9 @@ class GuardPolicy:
             assert factors is not None
             fed = [v * factors[group[j]] if group[j] in joining else v for j, v in enumerate(values)]
         det.commit(decision, fed, present)
-        self._provisional_levels(verdict, before, values, present)
-        if verdict.accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
+        if self.provisional or verdict.consistent_shift or self.restored:  # none on the common step
+            self._provisional_levels(verdict, before, values, present)
+        if accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
             n = self.n_layers
             # raw norms, a scaled-back layer's too: a rise measured against its own last step (a fault right
             # after an outlier is then scaled back to outlier_ratio rather than refused)
@@ -495,7 +499,7 @@ class GuardPolicy:
             else:  # an absent layer, or a zero norm ("no signal", as for the baselines), keeps its last norm
                 last = self.last
                 self.last = [v if v > 0 and (present is None or present[i]) else last[i] for i, v in enumerate(now)]
-        if verdict.accepted:
+        if accepted:
             self.global_layers, gn, self.global_ema = view  # the baseline now describes this step's layers
             if gn > 0 and math.isfinite(gn):
                 c = self.global_count
@@ -504,7 +508,7 @@ class GuardPolicy:
                     feed = self.outlier_ratio * self.global_ema
                 elif self.unstable and c:  # the baseline is held: it may follow the norm down, never up (a
                     feed = min(gn, self.global_ema)  # first norm, unstable or not, starts it: never 0)
-                elif decision.level_shift is not None:
+                elif shifts is not None:
                     self.global_ema = max(self.global_ema, gn)  # the new level of a layer moves the total too
                 self.global_ema += max(self.alpha, 1.0 / (c + 1)) * (feed - self.global_ema)
                 self.global_count = min(c + 1, 1_000_000)

@@ -79,6 +79,24 @@ def test_skip_restores_only_changed_buffers_and_accepts_keep_new_stats(tmp_path)
     opt.close()
 
 
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_buffer_copies_leave_the_grad_mode_and_take_no_graph(grad_mode):
+    from stabilityguard.actions import BufferGuard
+
+    buf = torch.zeros(3, requires_grad=True)  # a buffer that requires grad: copied as under no_grad
+    guard = BufferGuard([[buf]])
+    with torch.set_grad_enabled(grad_mode):
+        with torch.no_grad():
+            buf.add_(1.0)
+        guard.mark()
+        assert torch.is_grad_enabled() == grad_mode
+        assert guard.backup[0][0].grad_fn is None and torch.equal(guard.backup[0][0], torch.ones(3))
+        with torch.no_grad():
+            buf.add_(1.0)
+        assert guard.restore() == 1  # an in-place copy into a leaf that requires grad: only without grad
+        assert torch.is_grad_enabled() == grad_mode and torch.equal(buf, torch.ones(3))
+
+
 @pytest.mark.parametrize("with_model", [True, False])
 def test_rollback_after_add_param_group_recovers(tmp_path, with_model):
     torch.manual_seed(0)
