@@ -147,7 +147,7 @@ def count_syncs(device: torch.device, steps: int) -> List[str]:
     lines += ["", "Expected: 0 for plain AdamW, 1 for every guard configuration (the step's one transfer); "
               "a summary step (every `log_every`) adds none unless `enable_helene` is on. With "
               "`nan_action=rollback` the snapshot copies to `snapshot_device` (cpu; every `rollback_interval` "
-              "accepted steps) and the restores at +5 and +15 are device-to-host and host-to-device copies: "
+              "accepted steps) are device-to-host copies and the restores at +5 and +15 host-to-device ones: "
               "more on those steps, by design; the other steps 1.", ""]
     return lines
 

@@ -107,7 +107,8 @@ class Verdict:
         calm_shift: Those of them accepted after ``calm_shift_steps``, their loss calm on every step.
         shift_steps: For every layer whose new level is accepted at this step, the length of the run that
             made it one (consecutive spikes, or consecutive scaled-back steps for a settled outlier).
-        joining: Layers that joined after the run's warm-up, scaled back within their own (``early_clip``).
+        joining: Layers that joined after the run's warm-up, scaled back within their own (``early_clip``,
+            reason ``warmup``).
     """
 
     kind: str
@@ -309,8 +310,7 @@ class GuardPolicy:
         if joining:  # a layer that joined after the run's warm-up and jumped within its own
             factors = [min(f, joining.get(i, 1.0)) for i, f in enumerate(factors)] if factors else \
                 [joining.get(i, 1.0) for i in range(self.n_layers)]
-            if "layer" not in reasons:
-                reasons.append("layer")
+            reasons.append("warmup")
         unstable = self.unstable
         cap = min(self.instability_clip, lim) if (unstable and not young) else lim  # the hold only ever tightens
         # a layer's new level moves the total too (unless the loss says the run is unstable)
@@ -351,9 +351,12 @@ class GuardPolicy:
 
     def _joining(self, values: Sequence[float], present: Optional[Sequence[bool]]) -> Dict[int, float]:
         """``early_clip`` for a layer that joins after the run's warm-up (unfrozen, a parameter group
-        added): while it warms up on its own, a norm over ``spike_threshold`` x its young mean is scaled
-        back to ``outlier_ratio`` x that mean (its factor, by layer); the global rule leaves young layers
-        out, so nothing else would. Empty on every step once all layers are covered."""
+        added): while it warms up on its own, from its second step, a norm over ``spike_threshold`` x its
+        young mean is scaled back to ``outlier_ratio`` x that mean (its factor, by layer; clip reason
+        ``warmup``); the global rule leaves young layers out, so nothing else would. Like the run's own
+        early clip, its young baseline takes the raw norm (fed the scaled-back one, a layer whose natural
+        level is far above its first gradient, LayerScale, was refused once covered). Empty on every step
+        once all layers are covered."""
         det = self.detector
         if not self.early_clip or det.all_ready or self.global_count < self.warmup_steps:
             return {}
@@ -481,12 +484,7 @@ class GuardPolicy:
                     self.outlier_runs[i] = []
             self._open_runs = any(self.runs)
             self._open_outlier_runs = any(self.outlier_runs)
-        fed = values
-        if verdict.joining:  # a joining layer's young baseline takes its norm as it was scaled back
-            factors, group, joining = verdict.factors, det.group, set(verdict.joining)
-            assert factors is not None
-            fed = [v * factors[group[j]] if group[j] in joining else v for j, v in enumerate(values)]
-        det.commit(decision, fed, present)
+        det.commit(decision, values, present)
         if self.provisional or verdict.consistent_shift or self.restored:  # none on the common step
             self._provisional_levels(verdict, before, values, present)
         if accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
@@ -504,7 +502,8 @@ class GuardPolicy:
             if gn > 0 and math.isfinite(gn):
                 c = self.global_count
                 feed = gn
-                if "warmup" in verdict.reasons:  # the young baseline takes the norm as it was scaled back
+                if "warmup" in verdict.reasons and c < self.warmup_steps:  # the young global mean takes the norm
+                    # as it was scaled back (a joining layer's warm-up clip, later in the run, does not)
                     feed = self.outlier_ratio * self.global_ema
                 elif self.unstable and c:  # the baseline is held: it may follow the norm down, never up (a
                     feed = min(gn, self.global_ema)  # first norm, unstable or not, starts it: never 0)
