@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .config import GuardConfig
+from .config import GuardConfig, shown
 from .errors import ConfigError
 
 
@@ -79,6 +79,4 @@ def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
             return float(loss)
     except (OverflowError, TypeError, ValueError):
         pass
-    shown = repr(loss)
-    raise TypeError(f"{where} must be a tensor, a real number or None; got {type(loss).__name__} "
-                    f"{shown if len(shown) <= 40 else shown[:40] + '...'}")
+    raise TypeError(f"{where} must be a tensor, a real number or None; got {type(loss).__name__} {shown(loss)}")

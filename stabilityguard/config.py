@@ -366,9 +366,7 @@ def _native(value: Any) -> Any:
         return value.item()  # np.float32(10.0) -> 10.0, np.float64 (a float subclass) too, np.bool_ -> bool
     if type(value).__name__ == "Tensor" and getattr(value, "ndim", None) == 0:
         return value.item()
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, numbers.Integral):
+    if isinstance(value, numbers.Integral):  # (bool has no subclasses: plain bools were returned above)
         return int(value)  # an int subclass, an IntEnum...
     if isinstance(value, numbers.Real):
         try:
@@ -416,7 +414,7 @@ def _check_number(
             parts.append(f"<= {high:g}")
         allowed = " and ".join(parts) if parts else "finite"
         raise ConfigError(f"{name} must be a finite number {allowed}{' or None' if none_ok else ''}; "
-                          f"got {_shown(value)}")
+                          f"got {shown(value)}")
 
 
 #: The longest window (``loss_window``, ``flight_recorder_steps``): far beyond any run; a deque of more
@@ -431,10 +429,10 @@ def _check_int(name: str, value: Any, *, low: int, high: Optional[int] = None, n
             or (high is not None and value > high):
         top = f" and <= {high:,}" if high is not None and isinstance(value, numbers.Integral) and value > high else ""
         raise ConfigError(f"{name} must be an integer >= {low}{top}{' or None' if none_ok else ''}; "
-                          f"got {_shown(value)}")
+                          f"got {shown(value)}")
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """The value as a message shows it: its repr, cut short when it is long (10**400)."""
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
