@@ -322,9 +322,11 @@ class Containment:
             self.rollback.snapshot(step)  # a clean state that covers every parameter
 
     def skip(self, counters: Any) -> None:
-        """Discard the step's gradients, put back the buffers its forward pass wrote; count it as skipped."""
+        """Discard the step's gradients, put back the buffers its forward pass wrote (and mark them: they are
+        the state the next refused step returns to); count it as skipped."""
         skip_step(self.optimizer)
         self.buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
+        self.buffers.mark()
         counters.skipped += 1
 
     def restart(self, step: int) -> None:

@@ -8,7 +8,7 @@ the value given. The settings themselves are checked by :class:`~stabilityguard.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -80,3 +80,24 @@ def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
     except (OverflowError, TypeError, ValueError):
         pass
     raise TypeError(f"{where} must be a tensor, a real number or None; got {type(loss).__name__} {shown(loss)}")
+
+
+def call_closure(closure: Optional[Callable[[], Any]], loss: Any) -> Tuple[Any, Any]:
+    """Run ``step()``'s closure, if any (with gradients on, as torch does): what ``step()`` returns (the
+    closure's result, else ``loss``) and the loss the guard reads (checked by :func:`check_loss`; ``None``
+    when there is none, or when the closure returned something that is not a loss: a closure may return
+    what it likes). A ``loss`` passed beside a closure is replaced by the closure's result.
+
+    Example:
+        >>> call_closure(lambda: 2.0, None), call_closure(None, 1), call_closure(lambda: "done", None)
+        ((2.0, 2.0), (1, 1.0), ('done', None))
+    """
+    given = check_loss(loss)
+    if closure is None:
+        return loss, given
+    with torch.enable_grad():
+        loss = closure()
+    try:
+        return loss, check_loss(loss)
+    except TypeError:
+        return loss, None

@@ -142,12 +142,14 @@ class EventFactory:
 
 
 def spike_incident(step: int, names: Sequence[str], decision: Any, values: Sequence[float], before: Sequence[float],
-                   limit: float, calibrated: bool) -> Tuple[str, Dict[str, Any]]:
+                   detector: Any) -> Tuple[str, Dict[str, Any]]:
     """The message and record fields of a refused spike (``decision``: the policy's
-    :class:`~stabilityguard.detector.Decision`; ``limit``: the trigger layer's threshold)."""
+    :class:`~stabilityguard.detector.Decision`; ``detector``: its
+    :class:`~stabilityguard.detector.SpikeDetector`, for the trigger layer's threshold)."""
     t = decision.trigger
     layer, ratio, norm = names[t], decision.ratios[t], values[t]
-    what = "calibrated threshold" if calibrated else "spike_threshold"
+    limit = detector.limit(t)
+    what = "calibrated threshold" if detector.limits is not None else "spike_threshold"
     message = (f"gradient spike at step {step} in layer {layer!r}: norm {norm:.4g} is {ratio:.4g}x its "
                f"baseline {before[t]:.4g} ({what}={limit:g}); weights untouched")
     assert decision.spike_mask is not None

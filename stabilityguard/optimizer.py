@@ -17,7 +17,7 @@ import torch
 
 from . import __version__
 from .actions import Containment
-from .arguments import check_arguments, check_loss
+from .arguments import call_closure, check_arguments, check_loss
 from .checkpoint import guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
 from .config import GuardConfig
 from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
@@ -105,9 +105,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._origin = register_origin_probe(model, config.ddp_origin_hook and config.sync_ranks)
         self._build_index()
         idx = self._index
-        if config.track_update_size and any(hasattr(p, "to_local") for p in idx.params):
-            raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
-                              "got track_update_size=True")
         self._features.start(idx.params, model, eos_probe, world_size())
         self._log.run_start(config.to_dict() | {"run_id": self.run_id} | self._features.describe(), base_opt, idx,
                             __version__)
@@ -127,9 +124,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         idx = self._index = ParamIndex.build(self.model, self.param_groups)
         self._collector = GradStatsCollector(idx, sync_ranks=self.config.sync_ranks, origin=self._origin)
         self._names = list(idx.layer_names) + list(idx.param_names)
-        self._policy: GuardPolicy = GuardPolicy.from_config(
-            [f"layer:{n}" for n in idx.layer_names] + [f"param:{n}" for n in idx.param_names], idx.n_layers,
-            list(range(idx.n_layers)) + idx.layer_of_param.tolist(), self.config)
+        self._policy = GuardPolicy.from_config(idx.layer_names, idx.param_names, idx.layer_of_param.tolist(),
+                                               self.config)
         if old_policy is not None:
             self._policy.load_state_dict(old_policy.state_dict())
         self._log.rename(self._names)
@@ -259,23 +255,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._origin is not None:
             self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
         self._log.skip(step, reason, self._lr())
-        self._containment.buffers.mark()
         if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
             self._log.summary(step, None, self._lr(), *self._features.post_clip(self._clip_input))
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
-        given = check_loss(loss)
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # may call skip_next_step or observe_loss (framework hooks run inside it)
-            try:
-                given = check_loss(loss)
-            except TypeError:  # a closure may return what it likes: the guard then has no loss
-                given = None
-        if given is None:
-            given = self._pending_loss
-        if loss is None:
-            loss = given  # returned, as torch's step() returns the closure's loss
+        loss, given = call_closure(closure, loss)  # the closure may call skip_next_step or observe_loss
+        given = self._pending_loss if given is None else given
+        loss = given if loss is None else loss  # returned, as torch's step() returns the closure's loss
         if self._skip_reason is not None:
             self._skip_requested(self._skip_reason)
             return loss
@@ -326,9 +312,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._accept(step, stats, verdict)
             return None
         self.counters.spikes += 1
-        det = self._detector
-        message, fields = spike_incident(step, self._names, verdict.decision, stats.values, before,
-                                         det.limit(verdict.decision.trigger), det.limits is not None)
+        message, fields = spike_incident(step, self._names, verdict.decision, stats.values, before, self._detector)
         return self._incident(False, step, stats, verdict, before, message, **fields)
 
     def _accept(self, step: int, stats: GradStats, verdict: Optional[Verdict]) -> None:

@@ -226,9 +226,13 @@ class GuardPolicy:
         self._open_outlier_runs = False
 
     @classmethod
-    def from_config(cls, names: Sequence[str], n_layers: int, group: Sequence[int], cfg: Any) -> "GuardPolicy":
-        """A policy with the settings of a :class:`~stabilityguard.GuardConfig`."""
-        return cls(names, n_layers, group, spike_threshold=cfg.spike_threshold, ema_alpha=cfg.ema_alpha,
+    def from_config(cls, layer_names: Sequence[str], param_names: Sequence[str], layer_of_param: Sequence[int],
+                    cfg: Any) -> "GuardPolicy":
+        """A policy over these layers and parameters (series ``layer:<name>`` then ``param:<name>``; each
+        parameter's layer by index) with the settings of a :class:`~stabilityguard.GuardConfig`."""
+        n = len(layer_names)
+        names = [f"layer:{x}" for x in layer_names] + [f"param:{x}" for x in param_names]
+        return cls(names, n, list(range(n)) + list(layer_of_param), spike_threshold=cfg.spike_threshold, ema_alpha=cfg.ema_alpha,
                    warmup_steps=cfg.warmup_steps, level_shift_patience=cfg.level_shift_patience,
                    graded=cfg.graded_response, outlier_ratio=cfg.outlier_ratio,
                    loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,

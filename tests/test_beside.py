@@ -283,6 +283,34 @@ def test_numbers_of_any_kind_are_a_loss_and_a_closure_may_return_anything():
         opt.step(loss=np_array)
 
 
+def test_closure_results_the_guard_reads_and_what_step_returns():
+    """step(closure): the closure runs with gradients on even under no_grad; its result is returned and,
+    if it is a loss, read (a loss passed beside it is replaced); a closure returning None may hand the
+    loss over with observe_loss; a bad loss passed beside a closure is still a TypeError."""
+    np = pytest.importorskip("numpy")
+    m = nn.Linear(2, 1)
+    opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False)
+
+    def closure(result=None, observed=None):
+        def run():
+            opt.zero_grad()
+            m(torch.randn(4, 2)).sum().backward()  # needs gradients on
+            if observed is not None:
+                opt.observe_loss(observed)
+            return result
+        return run
+
+    with torch.no_grad():
+        assert opt.step(closure(np.float32(2.5))) == np.float32(2.5)
+    assert opt.counters.last_loss == 2.5 and opt.counters.steps == 1
+    assert opt.step(closure(torch.tensor(3.0)), loss=7.0).item() == 3.0 and opt.counters.last_loss == 3.0
+    assert opt.step(closure(None, observed=torch.tensor(4.0))).item() == 4.0 and opt.counters.last_loss == 4.0
+    assert opt.step(closure("done"), loss=9.0) == "done" and opt.counters.last_loss == 4.0  # no loss read
+    with pytest.raises(TypeError, match=r"step\(loss=\.\.\.\) must be a tensor"):
+        opt.step(closure(1.0), loss="1.0")
+    assert opt.counters.steps == 4
+
+
 def test_under_torch_distributed_a_late_loss_is_not_used_and_said_once(caplog):
     """Every rank must decide on the same loss, which only measure(loss) averages across ranks: a loss
     handed only to step() after measure() is left out there, with one warning (white box: the collector

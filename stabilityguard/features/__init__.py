@@ -67,6 +67,9 @@ class Features:
               eos_probe: Optional[Callable[[], torch.Tensor]], world: int) -> None:
         """Build the features that do not follow the index (SPAM, edge of stability)."""
         cfg = self.config
+        if cfg.track_update_size and any(hasattr(p, "to_local") for p in params):
+            raise ConfigError("track_update_size is not supported with sharded (FSDP2/DTensor) parameters yet; "
+                              "got track_update_size=True")
         if cfg.enable_spam:
             self.spam = MomentumReset(self.optimizer, lr_reduction=cfg.spam_lr_reduction,
                                       recovery_steps=cfg.spam_recovery_steps, scope=cfg.spam_reset_scope,
