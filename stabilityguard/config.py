@@ -68,7 +68,8 @@ class GuardConfig:
     Only accepted steps update baselines, so a genuine regime change (unfreezing, a data-mix change, an
     LR jump) would otherwise be skipped forever. After this many consecutive spikes in the same layer,
     that layer's baseline is reset to the current norm, the step is accepted (if no other layer spikes)
-    and a ``baseline_reset`` event is emitted. Bursts shorter than this are still skipped.
+    and a ``baseline_reset`` event is emitted. Bursts shorter than this are still skipped. At least 2:
+    with 1, every spike would be taken as a new level at once and none would ever be refused.
     """
 
     graded_response: bool = True
@@ -269,7 +270,7 @@ class GuardConfig:
         _check_int("warmup_steps", self.warmup_steps, low=0)
         if not isinstance(self.verbose, bool):
             raise ConfigError(f"verbose must be True or False; got {self.verbose!r}")
-        _check_int("level_shift_patience", self.level_shift_patience, low=1)
+        _check_int("level_shift_patience", self.level_shift_patience, low=2)
         if not isinstance(self.graded_response, bool):
             raise ConfigError(f"graded_response must be True or False; got {self.graded_response!r}")
         _check_number("outlier_ratio", self.outlier_ratio, low=1.0, low_inclusive=False)

@@ -21,7 +21,8 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
         ({"ema_alpha": 1.5}, r"ema_alpha must be .*got 1.5"),
         ({"warmup_steps": -1}, r"warmup_steps must be an integer >= 0; got -1"),
         ({"verbose": "yes"}, r"verbose must be True or False; got 'yes'"),
-        ({"level_shift_patience": 0}, r"level_shift_patience must be an integer >= 1; got 0"),
+        ({"level_shift_patience": 0}, r"level_shift_patience must be an integer >= 2; got 0"),
+        ({"level_shift_patience": 1}, r"level_shift_patience must be an integer >= 2; got 1"),  # refuses nothing
         ({"rollback_interval": 0}, r"rollback_interval must be an integer >= 1; got 0"),
         ({"snapshot_device": "gpu0"}, r"snapshot_device must be a device string .*got 'gpu0'"),
         ({"log_dir": 3}, r"log_dir must be a path .*got 3"),
