@@ -302,6 +302,7 @@ class Containment:
         self.features = features
         self.buffers = BufferGuard([])
         self.rollback: Optional[RollbackManager] = None
+        self._warned_measured = False
 
     def reindex(self, model: Optional[torch.nn.Module], index: Any, step: int) -> None:
         """Follow a new parameter index: guard the owned buffers, one group per module; with rollback,
@@ -357,15 +358,24 @@ class Containment:
         return {"action": action, "rollback_to_step": to, "momentum_reset": reset, "lr_factor": lr_factor}
 
     def take(self, step: int, index: Any, collector: Any, layer_norms: List[float], global_norm: float,
-             factors: Optional[Sequence[float]]) -> Optional[List[float]]:
+             factors: Optional[Sequence[float]], measured: bool = False) -> Optional[List[float]]:
         """Take step ``step``: :meth:`scale` (``factors``: an outlier's, or ``None``), the per-layer clip,
         the wrapped step (SPAM's LR factor around it; with ``track_update_size`` measured by ``collector``),
-        the snapshot schedule. Returns the layer norms the per-layer clip clipped, if it did."""
+        the snapshot schedule. Returns the layer norms the per-layer clip clipped, if it did. ``measured``:
+        the norms came from ``measure()`` and the gradients may have been clipped since, so neither
+        ``clip_grad_norm`` nor the per-layer clip is applied (said once)."""
         features = self.features
         max_norm = self.config.clip_grad_norm
+        if measured and (max_norm is not None or features.clipper is not None):
+            if not self._warned_measured:
+                self._warned_measured = True
+                logger.warning("stabilityguard: clip_grad_norm and enable_helene's per-layer clip are not applied "
+                               "to steps measured with measure(): the gradients may have changed since (a "
+                               "framework's own clipping); clip in the framework instead")
+            max_norm = None  # (an outlier's factors never come with measured norms, see GuardedOptimizer._accept)
         if factors is not None or max_norm is not None:
             layer_norms = self.scale(index, layer_norms, global_norm, factors, max_norm)
-        clipped = features.clipper is not None and features.clipper.apply(layer_norms)
+        clipped = not measured and features.clipper is not None and features.clipper.apply(layer_norms)
         update = features.spam.step if features.spam is not None else self.optimizer.step
         if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
             collector.measure_update(update, step)

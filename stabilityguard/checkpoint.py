@@ -45,9 +45,44 @@ def guard_state(policy: Any, log: Any, features: Any, rollback: Any, collector: 
     return out
 
 
+def check_guard_state(state: Any, where: str = "the guard state") -> None:
+    """Raise :class:`~stabilityguard.errors.ConfigError` when ``state`` cannot be :func:`guard_state` output
+    (of any format): not a dict, no ``policy`` (or format-1 ``detector``) dict, or baselines without their
+    names, values, counts and run counters as lists of one length. The message names ``where`` and what is
+    missing. Called before anything is loaded, so a corrupt or hand-edited state changes nothing.
+
+    Example:
+        >>> check_guard_state({"policy": {}}, "trainer_state.json's stabilityguard entry")
+        Traceback (most recent call last):
+        ...
+        stabilityguard.errors.ConfigError: trainer_state.json's stabilityguard entry is not a stabilityguard guard state: its baselines lack 'names', 'ema', 'count', 'consecutive'
+    """
+    from .errors import ConfigError
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{where} is not a stabilityguard guard state: {what}")
+
+    if not isinstance(state, dict):
+        raise bad(f"expected a dict from guard_state_dict(), got {type(state).__name__}")
+    policy = state["policy"] if "policy" in state else state.get("detector")
+    if not isinstance(policy, dict):
+        raise bad(f"no 'policy' dict (the baselines); its keys: {sorted(map(str, state))[:8]}")
+    det = policy.get("detector", policy)  # a 0.1 checkpoint's policy is the detector's own state
+    if not isinstance(det, dict):
+        raise bad(f"its baselines are a {type(det).__name__}, not a dict")
+    missing = [k for k in ("names", "ema", "count", "consecutive") if k not in det]
+    if missing:
+        raise bad("its baselines lack " + ", ".join(repr(k) for k in missing))
+    lists = [det[k] for k in ("names", "ema", "count", "consecutive")]
+    if not all(isinstance(x, (list, tuple)) for x in lists) or len({len(x) for x in lists}) != 1:
+        raise bad("its baselines' names, ema, count and consecutive are not lists of one length")
+
+
 def load_guard_state(state: Dict[str, Any], policy: Any, log: Any, features: Any, rollback: Any, collector: Any,
                      track_update_size: bool) -> None:
-    """Hand :func:`guard_state` output back to the parts (baselines are matched by layer name)."""
+    """Hand :func:`guard_state` output back to the parts (baselines are matched by layer name); a state
+    that fails :func:`check_guard_state` is a ``ConfigError`` and changes nothing."""
+    check_guard_state(state)
     policy_state = state["policy"] if "policy" in state else state["detector"]
     policy.load_state_dict(policy_state)
     det_state = policy_state.get("detector", policy_state)
@@ -95,6 +130,8 @@ def load_merged_state_dict(opt: torch.optim.Optimizer, base: torch.optim.Optimiz
             state_dict = result
     sd = dict(state_dict)
     guard = sd.pop(KEY, None)
+    if guard is not None:  # before anything is loaded: a corrupt guard state leaves the optimizer as it was
+        check_guard_state(guard, f"the optimizer state's {KEY!r} entry")
     base.load_state_dict(sd)
     loaded(guard)
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():

@@ -197,7 +197,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self._index
 
     def observe_loss(self, loss: Union[torch.Tensor, float]) -> None:
-        """Hand over this step's loss without a closure (a tensor is read in the step's single transfer)."""
+        """Hand over this step's loss (a tensor is read in the step's single transfer). Called from inside a
+        closure too (a framework's hook): it then wins over what the closure returns, which may be a part of
+        the loss (Lightning returns the last accumulated batch's loss divided by the accumulation)."""
         loss = check_loss(loss, "observe_loss(loss)")
         self._pending_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
@@ -229,8 +231,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         For frameworks that transform gradients between backward and ``step()`` (gradient clipping in
         Lightning, say): call this before the transformation so detection sees the raw gradients. Such a
-        step is refused or taken as decided, but an outlier is not scaled back (the gradients may have
-        been clipped since they were measured; the ``clip`` record is not written either). Pass the loss
+        step is refused or taken as decided, but nothing the guard would scale with these norms is applied:
+        not an outlier's scaling (no ``clip`` record either), not ``clip_grad_norm``, not the per-layer clip
+        of ``enable_helene`` (the gradients may have been clipped since they were measured; a warning says
+        so once when those are set: clip in the framework instead). Pass the loss
         here: one given only to ``step()`` is read then (one more device read), and under
         torch.distributed it is not used (every rank must decide on the same, averaged, loss).
 
@@ -260,7 +264,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         loss, given = call_closure(closure, loss)  # the closure may call skip_next_step or observe_loss
-        given = self._pending_loss if given is None else given
+        if self._pending_loss is not None and (given is None or closure is not None):
+            given = self._pending_loss  # handed over explicitly: wins over the closure's result
         loss = given if loss is None else loss  # returned, as torch's step() returns the closure's loss
         if self._skip_reason is not None:
             self._skip_requested(self._skip_reason)
@@ -331,7 +336,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self.counters.clipped += 1
             self._log.events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
         self._clip_input = self._containment.take(step, self._index, self._collector, stats.layer_norms,
-                                                  stats.global_norm, factors)
+                                                  stats.global_norm, factors, self._from_measure)
         self.counters.accepted += 1
         if decision is not None:
             self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, self._lr(),

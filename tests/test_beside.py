@@ -311,6 +311,58 @@ def test_closure_results_the_guard_reads_and_what_step_returns():
     assert opt.counters.steps == 4
 
 
+def test_a_loss_observed_inside_the_closure_wins_over_what_it_returns():
+    """Lightning's closure returns the last accumulated batch's loss divided by the accumulation while its
+    hook hands the whole loss over with observe_loss: the guard read the closure's part (an outside
+    review: a x20 batch was taken, scaled back, in one position of the window and refused in the other)."""
+    m = nn.Linear(2, 1)
+    opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False)
+
+    def closure():
+        opt.zero_grad()
+        m(torch.randn(4, 2)).sum().backward()
+        opt.observe_loss(torch.tensor(5.0))  # the whole loss, from a hook inside the closure
+        return torch.tensor(1.25)  # the part the framework returns
+
+    assert opt.step(closure).item() == 1.25  # step() still returns the closure's result
+    assert opt.counters.last_loss == 5.0
+    opt.observe_loss(6.0)  # handed over before a closure that returns a loss: still explicit, still wins
+    opt.step(lambda: (m(torch.randn(4, 2)).sum().backward(), 2.0)[1])
+    assert opt.counters.last_loss == 6.0
+    opt.observe_loss(7.0)  # without a closure, a loss given to step() is the later word, as before
+    m(torch.randn(4, 2)).sum().backward()
+    opt.step(loss=8.0)
+    assert opt.counters.last_loss == 8.0
+
+
+@pytest.mark.parametrize("setting", [{"clip_grad_norm": 0.5}, {"enable_helene": True, "helene_base_clip": 0.1}])
+def test_clips_are_not_applied_with_stale_measured_norms(setting, caplog):
+    """measure(), then the framework clips, then step(): the guard's clip_grad_norm (and HELENE's per-layer
+    clip) scaled the already clipped gradients again with the pre-clip norms (an outside review: with
+    Lightning's gradient_clip_val and clip_grad_norm both set the update arrived at norm 0.71-0.96, not 1).
+    They are left to the framework on that path, with one warning; a plain step still clips."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    seen = []
+    base = torch.optim.Adam(m.parameters(), lr=1e-3)
+    base.register_step_pre_hook(lambda o, a, k: seen.append(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in m.parameters()])).item()))
+    opt = GuardedOptimizer(base, m, log_dir=None, verbose=False, warmup_steps=2, **setting)
+    with caplog.at_level("WARNING", logger="stabilityguard.actions"):
+        for _ in range(4):
+            opt.zero_grad()
+            (m(torch.randn(8, 4)) * 10).pow(2).mean().backward()
+            opt.measure()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # the framework's own clip
+            opt.step()
+    assert all(abs(n - 1.0) < 1e-5 for n in seen)  # exactly what the framework's clip left
+    assert sum("not applied to steps measured with measure()" in r.getMessage() for r in caplog.records) == 1
+    opt.zero_grad()
+    (m(torch.randn(8, 4)) * 10).pow(2).mean().backward()
+    opt.step()  # measured by step() itself: the guard's clip applies
+    assert seen[-1] < 1.0 - 1e-3
+
+
 def test_under_torch_distributed_a_late_loss_is_not_used_and_said_once(caplog):
     """Every rank must decide on the same loss, which only measure(loss) averages across ranks: a loss
     handed only to step() after measure() is left out there, with one warning (white box: the collector
@@ -430,3 +482,36 @@ def test_a_joining_layer_whose_natural_level_is_far_above_its_first_gradient_is_
         opt.zero_grad()
     assert opt.counters.spikes == 0 and opt.counters.skipped == 0
     assert len([c for c in capture.clips() if "warmup" in c["clip_reasons"]]) <= 2
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({}, "no 'policy' dict"),
+    ({"policy": {}}, "baselines lack 'names', 'ema', 'count', 'consecutive'"),
+    ({"policy": {"detector": {"names": ["layer:x"], "ema": [1.0], "count": [1]}}}, "lack 'consecutive'"),
+    ({"policy": {"detector": {"names": ["a", "b"], "ema": [1.0], "count": [1], "consecutive": [0]}}},
+     "not lists of one length"),
+    ({"policy": {"detector": "baselines"}}, "are a str"),
+    ("state", "expected a dict"),
+])
+def test_a_corrupt_guard_state_is_a_clear_error_and_loads_nothing(bad, says):
+    """A partial or hand-edited guard state (a checkpoint, a Trainer's trainer_state.json entry) failed
+    later with a bare KeyError ('detector', 'names'), after the wrapped optimizer had been loaded."""
+    from stabilityguard.errors import ConfigError
+
+    m = nn.Linear(2, 1)
+    opt = GuardedOptimizer(torch.optim.Adam(m.parameters(), lr=0.1), m, log_dir=None, verbose=False)
+    for _ in range(3):
+        m(torch.randn(4, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    good = opt.state_dict()
+    before = opt._policy.state_dict(), {k: v.clone() for k, v in opt.state[m.weight].items()}
+    with pytest.raises(ConfigError, match="not a stabilityguard guard state: .*" + says):
+        opt.load_guard_state_dict(bad)
+    fresh = torch.optim.Adam(m.parameters(), lr=0.1).state_dict()  # a plain optimizer's state, other moments
+    fresh["stabilityguard"] = bad
+    with pytest.raises(ConfigError, match="optimizer state's 'stabilityguard' entry"):
+        opt.load_state_dict(fresh)
+    assert opt._policy.state_dict() == before[0]
+    assert all(torch.equal(v, before[1][k]) for k, v in opt.state[m.weight].items())  # nothing loaded
+    opt.load_state_dict(good)  # a good one still loads
