@@ -9,6 +9,8 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import weakref
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -67,11 +69,72 @@ def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
 
 
 def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    """The loss of a model output: ``.loss`` / ``["loss"]``, or the first element of a tuple or list when it
+    is a 0-d tensor (a model returning ``(loss, logits)``, as the Trainer reads it)."""
     if isinstance(output, dict):
         loss = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        loss = output[0] if output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0 else None
     else:
         loss = getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _calling_trainer() -> Tuple[Any, Any]:
+    """The ``transformers.Trainer`` whose ``train()`` is calling the current callback event, and the
+    ``resume_from_checkpoint`` local of that frame (the resolved checkpoint path, or ``None``).
+
+    Callbacks are not handed the Trainer; its training loop is a few frames up the stack
+    (``_inner_training_loop`` -> ``CallbackHandler.on_train_begin`` -> ``call_event`` -> the callback).
+    ``(None, None)`` when no Trainer is found (the callback was called some other way)."""
+    trainer_cls = getattr(_transformers, "Trainer", None)
+    if trainer_cls is None:
+        return None, None
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, trainer_cls):
+            resume = frame.f_locals.get("resume_from_checkpoint")
+            return obj, resume if isinstance(resume, (str, os.PathLike)) else None
+        frame = frame.f_back
+    return None, None
+
+
+class _BackwardCapture:
+    """Hands every loss the Trainer passes to ``accelerator.backward`` to ``sink`` (a bound method, held
+    weakly), by an instance attribute on the accelerator that :meth:`remove` takes off again. An earlier
+    capture left on the same accelerator (a run that ended with an exception) is removed first."""
+
+    def __init__(self, accelerator: Any, sink: Any) -> None:
+        old = accelerator.__dict__.get("backward")
+        if isinstance(getattr(old, "_stabilityguard_capture", None), _BackwardCapture):
+            old._stabilityguard_capture.remove()
+        self._accelerator = weakref.ref(accelerator)
+        self._had = "backward" in accelerator.__dict__
+        self._previous = accelerator.__dict__.get("backward")
+        original = accelerator.backward
+        sink_ref = weakref.WeakMethod(sink)
+
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            fn = sink_ref()
+            if fn is not None:
+                fn(loss)
+            return original(loss, *args, **kwargs)
+
+        backward._stabilityguard_capture = self  # type: ignore[attr-defined]
+        self._wrapper = backward
+        accelerator.backward = backward
+
+    def remove(self) -> None:
+        acc = self._accelerator()
+        if acc is None or acc.__dict__.get("backward") is not self._wrapper:
+            return
+        if self._had:
+            acc.backward = self._previous
+        else:
+            del acc.backward
 
 
 class StabilityGuardCallback(TrainerCallback):
@@ -90,9 +153,14 @@ class StabilityGuardCallback(TrainerCallback):
     it holds its value whatever way training ends (an exception in the forward or backward pass, or
     the guard's own :class:`~stabilityguard.GradientSpikeError`), and checkpoints save it unchanged.
 
-    **Loss.** A forward hook on the model hands each optimizer step's loss to the guard as a tensor
-    (the mean over the accumulated micro-batches, as the Trainer logs it; read in the guard's single
-    device->host transfer), so events and trackers show the loss.
+    **Loss.** Each optimizer step's loss reaches the guard as a tensor (read in the guard's single
+    device->host transfer), so events and trackers show the loss: the sum of the losses the Trainer
+    passes to ``accelerator.backward`` over the step's micro-batches, which is the loss the Trainer logs
+    (label smoothing, ``compute_loss_func``, gradient accumulation and token-count normalisation
+    included). Where the Trainer's backward cannot be followed (a custom ``training_step`` that calls
+    ``loss.backward()`` itself), a forward hook reads the model output's loss (``.loss``, ``["loss"]``
+    or the first element of a tuple) instead; a step with no loss the guard could read is warned about
+    once, and the guard then runs without its loss signals.
 
     **Resume.** The guard's state (baselines, counters, feature state) is written into
     ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``);
@@ -183,10 +251,13 @@ class StabilityGuardCallback(TrainerCallback):
         self._first_epoch = True
         self._len_dataloader: Optional[int] = None
         self._pending_state: Optional[Dict[str, Any]] = None
+        self._capture: Optional[_BackwardCapture] = None
+        self._warned_no_loss = False
 
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, **kw: Any) -> None:
+        trainer, _ = _calling_trainer()
         holder, inner = self._find_optimizer(optimizer)
         if self._skip_file is not None and getattr(holder, "scaler", None) is not None:
             raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
@@ -221,6 +292,23 @@ class StabilityGuardCallback(TrainerCallback):
         self._setup_data_position(args, state, train_dataloader)
         self._setup_records(args, holder)
         self._install_hooks(model)
+        self._remove_capture()
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None and callable(getattr(accelerator, "backward", None)):
+            self._capture = _BackwardCapture(accelerator, self._on_backward_loss)
+
+    def _remove_capture(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
+
+    def _on_backward_loss(self, loss: Any) -> None:
+        if self.guard is None or not isinstance(loss, torch.Tensor):
+            return
+        loss = loss.detach().float()
+        if loss.dim():
+            loss = loss.mean()
+        self._loss_backward = loss if self._loss_backward is None else self._loss_backward + loss
 
     @staticmethod
     def _find_optimizer(optimizer: Any) -> Tuple[Any, Any]:
@@ -335,6 +423,7 @@ class StabilityGuardCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ per step
     def _reset_step(self) -> None:
+        self._loss_backward: Optional[torch.Tensor] = None  # sum of the losses passed to accelerator.backward
         self._loss_scaled: Optional[torch.Tensor] = None  # sum of losses already normalised over the step
         self._loss_sum: Optional[torch.Tensor] = None  # sum of per-micro-batch mean losses
         self._loss_n = 0
@@ -433,9 +522,14 @@ class StabilityGuardCallback(TrainerCallback):
                                   lambda: self._record_context()["sample_indices"]):
             self._skip_recorded_step(state)
             return
-        loss = self._step_loss()
+        loss = self._loss_backward if self._loss_backward is not None else self._step_loss()
         if loss is not None:
             self.guard.observe_loss(loss)
+        elif not self._warned_no_loss:
+            self._warned_no_loss = True
+            logger.warning("stabilityguard: this training step produced no loss the guard could read (nothing passed "
+                           "to accelerator.backward, no loss in the model output); the guard runs without its loss "
+                           "signals (loss z-score, loss in events and trackers)")
 
     def _skip_recorded_step(self, state: Any) -> None:
         assert self.guard is not None
@@ -519,6 +613,7 @@ class StabilityGuardCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._restore_clipping()
         self._remove_hooks()
+        self._remove_capture()
         if self.guard is not None:
             self.guard.close()
 
