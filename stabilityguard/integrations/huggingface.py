@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -165,7 +166,9 @@ class StabilityGuardCallback(TrainerCallback):
     **Resume.** The guard's state (baselines, counters, feature state) is written into
     ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``);
     ``trainer.train(resume_from_checkpoint=...)`` restores it, so the resumed run takes the same
-    decisions as an uninterrupted one.
+    decisions as an uninterrupted one. With ``nan_action="rollback"`` the rollback snapshot's tensors
+    are read from the ``"stabilityguard"`` entry of the checkpoint's ``optimizer.pt`` (the Trainer saves
+    the guard's full state dict there), so a resumed run rolls back to the same step and weights.
 
     **Refused-batch records.** Every refused step is appended to ``<log_dir>/refused_batches.jsonl``
     with its epoch, global step, the index within the epoch of its first dataloader batch and, when
@@ -257,13 +260,14 @@ class StabilityGuardCallback(TrainerCallback):
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, **kw: Any) -> None:
-        trainer, _ = _calling_trainer()
+        trainer, resume_path = _calling_trainer()
         holder, inner = self._find_optimizer(optimizer)
         if self._skip_file is not None and getattr(holder, "scaler", None) is not None:
             raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
                               "gradients of a recorded step, which GradScaler.step refuses); use bf16 or turn it off")
         self._args, self._state = args, state
-        if isinstance(inner, GuardedOptimizer) and inner not in self._own_guards:
+        users_guard = isinstance(inner, GuardedOptimizer) and inner not in self._own_guards
+        if users_guard:
             self.guard = inner  # the user's own guard: keep its settings
             if args.max_grad_norm and args.max_grad_norm > 0:
                 logger.warning("stabilityguard: the Trainer's optimizer is already a GuardedOptimizer; the Trainer "
@@ -283,9 +287,8 @@ class StabilityGuardCallback(TrainerCallback):
             self._load_guard_state(self._pending_state["guard"])
             self._pending_state = None
         saved = (getattr(state, "stateful_callbacks", None) or {}).get(STATE_KEY)
-        if state.global_step > 0 and isinstance(saved, dict) and "guard" in saved:
-            self._load_guard_state(saved["guard"])
-            logger.info("stabilityguard: guard state restored from the checkpoint (step %d)", self.guard.counters.steps)
+        if state.global_step > 0 and isinstance(saved, dict) and isinstance(saved.get("guard"), dict):
+            self._restore_checkpoint_state(saved["guard"], resume_path, args, state, users_guard)
         elif state.global_step > 0:
             logger.warning("stabilityguard: resuming at step %d from a checkpoint without guard state; baselines "
                            "warm up again", state.global_step)
@@ -296,6 +299,56 @@ class StabilityGuardCallback(TrainerCallback):
         accelerator = getattr(trainer, "accelerator", None)
         if accelerator is not None and callable(getattr(accelerator, "backward", None)):
             self._capture = _BackwardCapture(accelerator, self._on_backward_loss)
+
+    def _restore_checkpoint_state(self, saved: Dict[str, Any], resume_path: Any, args: Any, state: Any,
+                                  users_guard: bool) -> None:
+        """Load the checkpoint's guard state: ``trainer_state.json``'s, or with a rollback snapshot the full
+        one from ``optimizer.pt``; never over a user's guard that the Trainer already loaded from there."""
+        assert self.guard is not None
+        steps = (saved.get("counters") or {}).get("steps")
+        if users_guard and steps is not None and self.guard.counters.steps == steps:
+            # The Trainer loaded optimizer.pt into the user's GuardedOptimizer: its full state, snapshot included.
+            logger.info("stabilityguard: the guard's state was restored with the optimizer (step %d)", steps)
+            return
+        full = self._checkpoint_guard_state(saved, resume_path, args, state) if saved.get("rollback") else None
+        self._load_guard_state(full if full is not None else saved)
+        logger.info("stabilityguard: guard state restored from the checkpoint (step %d%s)", self.guard.counters.steps,
+                    ", with the rollback snapshot" if full is not None else "")
+
+    @staticmethod
+    def _checkpoint_guard_state(saved: Dict[str, Any], resume_path: Any, args: Any,
+                                state: Any) -> Optional[Dict[str, Any]]:
+        """The guard's full state (with the rollback snapshot's tensors) from the ``optimizer.pt`` of the
+        checkpoint this run resumes from; ``None`` if it cannot be read."""
+        if resume_path is not None:
+            folder = Path(resume_path)
+        else:  # the Trainer's frame was not found: its default folder, if it is the checkpoint we resume from
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            try:
+                on_disk = json.loads((folder / "trainer_state.json").read_text())["stateful_callbacks"][STATE_KEY]
+                if json.dumps(on_disk["guard"], sort_keys=True) != json.dumps(saved, sort_keys=True):
+                    return None
+            except Exception:  # noqa: BLE001 - no such checkpoint: the JSON state it is
+                return None
+        path = folder / "optimizer.pt"
+        if not path.is_file():
+            return None
+        try:
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # reads only what it uses
+            except RuntimeError:  # not a zip-format file: no mmap
+                sd = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - fall back to the JSON state, loudly
+            logger.warning("stabilityguard: could not read the rollback snapshot from %s (%s); the snapshot is "
+                           "taken again from the resumed weights", path, e)
+            return None
+        full = sd.get(STATE_KEY) if isinstance(sd, dict) else None
+        if not isinstance(full, dict) or not isinstance(full.get("rollback"), dict) or \
+                "tensors" not in full["rollback"]:
+            logger.warning("stabilityguard: %s has no rollback snapshot of the guard (not saved by a Trainer with this "
+                           "callback?); the snapshot is taken again from the resumed weights", path)
+            return None
+        return full
 
     def _remove_capture(self) -> None:
         if self._capture is not None:
