@@ -163,6 +163,20 @@ def test_a_users_own_guard_keeps_the_snapshot_the_trainer_loaded(tmp_path):
     _assert_same_run(tmp_path, cb_full, full, cb_resumed, resumed)
 
 
+def test_a_save_asked_for_by_a_later_callback_carries_the_guard_state_of_that_step(tmp_path):
+    """StopAt listed after the guard's callback sets should_save in its own on_step_end, after the guard's
+    on_step_end ran; the checkpoint still holds the guard's state at step 20 (save_steps=15: none at 20)."""
+    kw = {"args_kw": {"save_steps": 15}, "stop_last": True}
+    _, full, cb_full = _run(tmp_path / "full", tmp_path / "sg_full", **kw)
+    _run(tmp_path / "split", tmp_path / "sg_split", stop_at=20, **kw)
+    saved = json.loads((tmp_path / "split" / "checkpoint-20" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"][STATE_KEY]["guard"]["counters"]["steps"] == 20
+    _, resumed, cb_resumed = _run(tmp_path / "split", tmp_path / "sg_split",
+                                  resume=str(tmp_path / "split" / "checkpoint-20"), **kw)
+    assert _incidents(tmp_path / "sg_full") == [("spike", 22, "skip"), ("nonfinite", 31, "skip")]
+    _assert_same_run(tmp_path, cb_full, full, cb_resumed, resumed)
+
+
 def test_refused_batches_are_recorded_with_their_data(tmp_path):
     model = tiny_gpt2()
     data = make_dataset(bad_samples={77: math.nan, 150: 1e4}, model=model)

@@ -164,7 +164,8 @@ class StabilityGuardCallback(TrainerCallback):
     once, and the guard then runs without its loss signals.
 
     **Resume.** The guard's state (baselines, counters, feature state) is written into
-    ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``);
+    ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``), taken at the
+    moment the Trainer writes that file (whichever callback asked for the save);
     ``trainer.train(resume_from_checkpoint=...)`` restores it, so the resumed run takes the same
     decisions as an uninterrupted one. With ``nan_action="rollback"`` the rollback snapshot's tensors
     are read from the ``"stabilityguard"`` entry of the checkpoint's ``optimizer.pt`` (the Trainer saves
@@ -295,6 +296,7 @@ class StabilityGuardCallback(TrainerCallback):
         self._setup_data_position(args, state, train_dataloader)
         self._setup_records(args, holder)
         self._install_hooks(model)
+        self._stash_when_saved(state)
         self._remove_capture()
         accelerator = getattr(trainer, "accelerator", None)
         if accelerator is not None and callable(getattr(accelerator, "backward", None)):
@@ -349,6 +351,24 @@ class StabilityGuardCallback(TrainerCallback):
                            "callback?); the snapshot is taken again from the resumed weights", path)
             return None
         return full
+
+    def _stash_when_saved(self, state: Any) -> None:
+        """Make ``state.save_to_json`` (a Trainer checkpoint, ``trainer.save_state()``) stash the guard's state
+        first, so it is the state at the moment of the save, whichever callback asked for it."""
+        current = state.__dict__.get("save_to_json")
+        if getattr(current, "_stabilityguard_stash", False):
+            return
+        plain_save = type(state).save_to_json
+        me = weakref.ref(self)
+
+        def save_to_json(json_path: str) -> None:
+            cb = me()
+            if cb is not None:
+                cb._stash(state)
+            plain_save(state, json_path)
+
+        save_to_json._stabilityguard_stash = True  # type: ignore[attr-defined]
+        state.save_to_json = save_to_json  # an instance attribute: dataclasses.asdict does not see it
 
     def _remove_capture(self) -> None:
         if self._capture is not None:
