@@ -164,8 +164,8 @@ class StabilityGuardCallback(TrainerCallback):
     once, and the guard then runs without its loss signals.
 
     **Resume.** The guard's state (baselines, counters, feature state) is written into
-    ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``), taken at the
-    moment the Trainer writes that file (whichever callback asked for the save);
+    ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``), taken when the
+    Trainer saves the optimizer right before that file (whichever callback asked for the save);
     ``trainer.train(resume_from_checkpoint=...)`` restores it, so the resumed run takes the same
     decisions as an uninterrupted one. With ``nan_action="rollback"`` the rollback snapshot's tensors
     are read from the ``"stabilityguard"`` entry of the checkpoint's ``optimizer.pt`` (the Trainer saves
@@ -256,6 +256,7 @@ class StabilityGuardCallback(TrainerCallback):
         self._len_dataloader: Optional[int] = None
         self._pending_state: Optional[Dict[str, Any]] = None
         self._capture: Optional[_BackwardCapture] = None
+        self._save_hook: Any = None
         self._warned_no_loss = False
 
     # ------------------------------------------------------------------ start
@@ -296,7 +297,7 @@ class StabilityGuardCallback(TrainerCallback):
         self._setup_data_position(args, state, train_dataloader)
         self._setup_records(args, holder)
         self._install_hooks(model)
-        self._stash_when_saved(state)
+        self._stash_when_saved()
         self._remove_capture()
         accelerator = getattr(trainer, "accelerator", None)
         if accelerator is not None and callable(getattr(accelerator, "backward", None)):
@@ -352,23 +353,22 @@ class StabilityGuardCallback(TrainerCallback):
             return None
         return full
 
-    def _stash_when_saved(self, state: Any) -> None:
-        """Make ``state.save_to_json`` (a Trainer checkpoint, ``trainer.save_state()``) stash the guard's state
-        first, so it is the state at the moment of the save, whichever callback asked for it."""
-        current = state.__dict__.get("save_to_json")
-        if getattr(current, "_stabilityguard_stash", False):
-            return
-        plain_save = type(state).save_to_json
-        me = weakref.ref(self)
+    def _stash_when_saved(self) -> None:
+        """Stash the guard's state whenever its optimizer state dict is taken: the Trainer's checkpoint takes it
+        (``optimizer.pt``) right before it writes ``trainer_state.json``, so the JSON state is the state at the
+        moment of the save, whichever callback asked for it."""
+        self._remove_save_hook()
+        assert self.guard is not None
+        self._save_hook = self.guard.register_state_dict_pre_hook(self._stash_before_state_dict)
 
-        def save_to_json(json_path: str) -> None:
-            cb = me()
-            if cb is not None:
-                cb._stash(state)
-            plain_save(state, json_path)
+    def _stash_before_state_dict(self, optimizer: Any) -> None:
+        if optimizer is self.guard and self._state is not None:
+            self._stash(self._state)
 
-        save_to_json._stabilityguard_stash = True  # type: ignore[attr-defined]
-        state.save_to_json = save_to_json  # an instance attribute: dataclasses.asdict does not see it
+    def _remove_save_hook(self) -> None:
+        if self._save_hook is not None:
+            self._save_hook.remove()
+            self._save_hook = None
 
     def _remove_capture(self) -> None:
         if self._capture is not None:
@@ -687,7 +687,9 @@ class StabilityGuardCallback(TrainerCallback):
         self._restore_clipping()
         self._remove_hooks()
         self._remove_capture()
+        self._remove_save_hook()
         if self.guard is not None:
+            self._stash(state)  # for trainer.save_state() after training
             self.guard.close()
 
 
