@@ -68,6 +68,78 @@ def test_loss_of_a_model_without_loss_kwargs(tmp_path):
         assert guard[step] == pytest.approx(loss, rel=1e-5)
 
 
+class TupleLM(PlainLM):
+    """A model returning a plain tuple ``(loss, logits)``, as the Trainer allows."""
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.emb(input_ids))
+        if labels is None:
+            return (logits,)
+        return (torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1)), logits)
+
+
+def _shifted_ce(outputs, labels, num_items_in_batch=None):
+    return torch.nn.functional.cross_entropy(outputs.logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))
+
+
+def _guard_and_trainer_losses(trainer, log_dir):
+    hf = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    guard = {e["step"] + 1: e["loss"] for e in _events(log_dir) if e["kind"] == "step_summary"}
+    return hf, guard
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("case", ["label_smoothing", "compute_loss_func", "tuple_output"])
+def test_loss_the_trainer_computes_outside_the_model_reaches_the_guard(tmp_path, case, accum):
+    """Label smoothing and compute_loss_func: the model output has no loss (the Trainer took the labels);
+    a tuple output has no .loss. The guard takes the loss the Trainer passes to accelerator.backward."""
+    model = TupleLM() if case == "tuple_output" else tiny_gpt2()
+    args_kw = {"label_smoothing_factor": 0.1} if case == "label_smoothing" else {}
+    trainer_kw = {"compute_loss_func": _shifted_ce} if case == "compute_loss_func" else {}
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
+    args = training_args(str(tmp_path / "out"), steps=5, accum=accum, logging_steps=1, **args_kw)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(), callbacks=[cb], **trainer_kw)
+    trainer.train()
+    hf, guard = _guard_and_trainer_losses(trainer, tmp_path / "sg")
+    assert sorted(guard) == sorted(hf) == list(range(1, 6))
+    for step, loss in hf.items():
+        assert guard[step] is not None and guard[step] == pytest.approx(loss, rel=1e-5), (step, guard, hf)
+    assert cb.guard.counters.last_loss == pytest.approx(hf[5], rel=1e-5)
+
+
+class OwnBackwardTrainer(transformers.Trainer):
+    """A training_step that calls loss.backward() itself: no accelerator.backward to follow."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, self._prepare_inputs(inputs)) / self.args.gradient_accumulation_steps
+        loss.backward()
+        return loss.detach()
+
+
+def test_without_the_trainers_backward_the_model_outputs_loss_is_read_even_from_a_tuple(tmp_path):
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
+    args = training_args(str(tmp_path / "out"), steps=4, accum=2, logging_steps=1)
+    trainer = OwnBackwardTrainer(model=TupleLM(), args=args, train_dataset=make_dataset(), callbacks=[cb])
+    trainer.train()
+    hf, guard = _guard_and_trainer_losses(trainer, tmp_path / "sg")
+    assert sorted(guard) == sorted(hf) == list(range(1, 5))
+    for step, loss in hf.items():
+        assert guard[step] is not None and guard[step] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_step_without_a_readable_loss_is_warned_about_once(tmp_path, caplog):
+    """compute_loss_func (no loss in the model output) with a training_step of its own (no accelerator.backward)."""
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    args = training_args(str(tmp_path / "out"), steps=4, accum=2)
+    trainer = OwnBackwardTrainer(model=tiny_gpt2(), args=args, train_dataset=make_dataset(), callbacks=[cb],
+                                 compute_loss_func=_shifted_ce)
+    with caplog.at_level("WARNING", logger="stabilityguard.integrations.huggingface"):
+        trainer.train()
+    assert caplog.text.count("produced no loss the guard could read") == 1
+    assert cb.guard.counters.steps == 4 and cb.guard.counters.last_loss is None
+
+
 def test_spike_event_carries_the_step_loss(tmp_path):
     model = tiny_gpt2()
     model.step_faults = {12: 1e4}

@@ -9,7 +9,10 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from stabilityguard import GradientSpikeError  # noqa: E402
+import torch  # noqa: E402
+
+from stabilityguard import GradientSpikeError, GuardedOptimizer  # noqa: E402
+from stabilityguard.integrations import huggingface as hf_integration  # noqa: E402
 from stabilityguard.integrations._records import load_records  # noqa: E402
 from stabilityguard.integrations.huggingface import STATE_KEY, StabilityGuardCallback  # noqa: E402
 
@@ -32,15 +35,22 @@ STEPS, SAVE = 40, 10
 FAULTS = {22: 1e4, 31: math.nan}
 
 
-def _run(out, log_dir, stop_at=None, resume=None, steps=STEPS, args_kw=None, faults=None, n=256, **cb_kw):
+def _run(out, log_dir, stop_at=None, resume=None, steps=STEPS, args_kw=None, faults=None, n=256, stop_last=False,
+         users_guard=None, **cb_kw):
     model = tiny_gpt2()
     model.step_faults = dict(FAULTS if faults is None else faults)
     cb = StabilityGuardCallback(log_dir=log_dir, verbose=False, log_every=5, **cb_kw)
-    callbacks = [StepTracker(model)] + ([StopAt(stop_at)] if stop_at else []) + [cb]
+    stop = [StopAt(stop_at)] if stop_at else []
+    callbacks = [StepTracker(model)] + (([cb] + stop) if stop_last else (stop + [cb]))
     args_kw = {"save_strategy": "steps", "save_steps": SAVE, **(args_kw or {})}
     args = training_args(str(out), steps=steps, **args_kw)
+    trainer_kw = {}
+    if users_guard is not None:  # the user's own GuardedOptimizer (settings: users_guard)
+        opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, log_dir=log_dir, verbose=False,
+                               log_every=5, **users_guard)
+        trainer_kw["optimizers"] = (opt, None)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(n=n, model=model),
-                                   callbacks=callbacks)
+                                   callbacks=callbacks, **trainer_kw)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model, cb
 
@@ -48,6 +58,21 @@ def _run(out, log_dir, stop_at=None, resume=None, steps=STEPS, args_kw=None, fau
 def _incidents(log_dir):
     events = [json.loads(x) for f in sorted(log_dir.glob("events-*.jsonl")) for x in f.read_text().splitlines()]
     return [(e["kind"], e["step"], e["action"]) for e in events if e["kind"] in ("spike", "nonfinite")]
+
+
+def _actions(log_dir):
+    events = [json.loads(x) for f in sorted(log_dir.glob("events-*.jsonl")) for x in f.read_text().splitlines()]
+    return [(e["kind"], e["step"], e.get("action"), e.get("rollback_to_step")) for e in events
+            if e["kind"] in ("spike", "nonfinite", "action")]
+
+
+def _assert_same_run(tmp_path, cb_full, full, cb_resumed, resumed):
+    assert _incidents(tmp_path / "sg_split") == _incidents(tmp_path / "sg_full")
+    a, b = cb_full.guard.counters, cb_resumed.guard.counters
+    fields = ("steps", "accepted", "spikes", "nonfinite", "skipped", "rollbacks")
+    assert [getattr(b, f) for f in fields] == [getattr(a, f) for f in fields]
+    assert cb_resumed.guard.guard_state_dict()["policy"] == cb_full.guard.guard_state_dict()["policy"]
+    assert finite(resumed) and digest(resumed) == digest(full)
 
 
 def test_resumed_run_takes_the_same_decisions_and_ends_with_the_same_weights(tmp_path):
@@ -101,6 +126,55 @@ def test_restore_callback_states_from_checkpoint_keeps_the_users_callback(tmp_pa
                           steps=14, args_kw={"restore_callback_states_from_checkpoint": True})
     assert cb in trainer.callback_handler.callbacks
     assert cb.guard.counters.steps == 14 and cb.guard.counters.accepted == 14
+
+
+ROLLBACK = {"nan_action": "rollback", "rollback_interval": 15}  # snapshots at 15, 30: not on a save (every 10)
+
+
+@pytest.mark.parametrize("find_trainer", [True, False])
+def test_resumed_rollback_goes_back_to_the_same_snapshot(tmp_path, monkeypatch, find_trainer):
+    """The checkpoint at 20 holds the snapshot of step 15; the spike at 22 and the NaN at 31 roll back to it (and
+    to 30) in the resumed run as in the uninterrupted one. Without the Trainer's frame the checkpoint folder is
+    found as output_dir/checkpoint-<step>."""
+    if not find_trainer:
+        monkeypatch.setattr(hf_integration, "_calling_trainer", lambda: (None, None))
+    _, full, cb_full = _run(tmp_path / "full", tmp_path / "sg_full", **ROLLBACK)
+    _run(tmp_path / "split", tmp_path / "sg_split", stop_at=20, **ROLLBACK)
+    _, resumed, cb_resumed = _run(tmp_path / "split", tmp_path / "sg_split",
+                                  resume=str(tmp_path / "split" / "checkpoint-20"), **ROLLBACK)
+    assert [a for a in _actions(tmp_path / "sg_full") if a[0] == "action"] == [("action", 22, "rollback", 15),
+                                                                               ("action", 31, "rollback", 15)]
+    assert _actions(tmp_path / "sg_split") == _actions(tmp_path / "sg_full")
+    _assert_same_run(tmp_path, cb_full, full, cb_resumed, resumed)
+    assert cb_resumed.guard.guard_state_dict()["rollback"]["snapshot_step"] == \
+        cb_full.guard.guard_state_dict()["rollback"]["snapshot_step"]
+
+
+def test_a_users_own_guard_keeps_the_snapshot_the_trainer_loaded(tmp_path):
+    """The Trainer loads optimizer.pt (with the guard's full state) into the user's GuardedOptimizer; the
+    callback does not overwrite it with trainer_state.json's state without the snapshot."""
+    kw = {"users_guard": ROLLBACK, "args_kw": {"max_grad_norm": 0.0}}
+    _, full, cb_full = _run(tmp_path / "full", tmp_path / "sg_full", **kw)
+    _run(tmp_path / "split", tmp_path / "sg_split", stop_at=20, **kw)
+    _, resumed, cb_resumed = _run(tmp_path / "split", tmp_path / "sg_split",
+                                  resume=str(tmp_path / "split" / "checkpoint-20"), **kw)
+    assert ("action", 22, "rollback", 15) in _actions(tmp_path / "sg_full")
+    assert _actions(tmp_path / "sg_split") == _actions(tmp_path / "sg_full")
+    _assert_same_run(tmp_path, cb_full, full, cb_resumed, resumed)
+
+
+def test_a_save_asked_for_by_a_later_callback_carries_the_guard_state_of_that_step(tmp_path):
+    """StopAt listed after the guard's callback sets should_save in its own on_step_end, after the guard's
+    on_step_end ran; the checkpoint still holds the guard's state at step 20 (save_steps=15: none at 20)."""
+    kw = {"args_kw": {"save_steps": 15}, "stop_last": True}
+    _, full, cb_full = _run(tmp_path / "full", tmp_path / "sg_full", **kw)
+    _run(tmp_path / "split", tmp_path / "sg_split", stop_at=20, **kw)
+    saved = json.loads((tmp_path / "split" / "checkpoint-20" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"][STATE_KEY]["guard"]["counters"]["steps"] == 20
+    _, resumed, cb_resumed = _run(tmp_path / "split", tmp_path / "sg_split",
+                                  resume=str(tmp_path / "split" / "checkpoint-20"), **kw)
+    assert _incidents(tmp_path / "sg_full") == [("spike", 22, "skip"), ("nonfinite", 31, "skip")]
+    _assert_same_run(tmp_path, cb_full, full, cb_resumed, resumed)
 
 
 def test_refused_batches_are_recorded_with_their_data(tmp_path):

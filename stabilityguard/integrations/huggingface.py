@@ -8,7 +8,10 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import sys
 import weakref
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -67,11 +70,72 @@ def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
 
 
 def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    """The loss of a model output: ``.loss`` / ``["loss"]``, or the first element of a tuple or list when it
+    is a 0-d tensor (a model returning ``(loss, logits)``, as the Trainer reads it)."""
     if isinstance(output, dict):
         loss = output.get("loss")
+    elif isinstance(output, (tuple, list)):
+        loss = output[0] if output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0 else None
     else:
         loss = getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _calling_trainer() -> Tuple[Any, Any]:
+    """The ``transformers.Trainer`` whose ``train()`` is calling the current callback event, and the
+    ``resume_from_checkpoint`` local of that frame (the resolved checkpoint path, or ``None``).
+
+    Callbacks are not handed the Trainer; its training loop is a few frames up the stack
+    (``_inner_training_loop`` -> ``CallbackHandler.on_train_begin`` -> ``call_event`` -> the callback).
+    ``(None, None)`` when no Trainer is found (the callback was called some other way)."""
+    trainer_cls = getattr(_transformers, "Trainer", None)
+    if trainer_cls is None:
+        return None, None
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, trainer_cls):
+            resume = frame.f_locals.get("resume_from_checkpoint")
+            return obj, resume if isinstance(resume, (str, os.PathLike)) else None
+        frame = frame.f_back
+    return None, None
+
+
+class _BackwardCapture:
+    """Hands every loss the Trainer passes to ``accelerator.backward`` to ``sink`` (a bound method, held
+    weakly), by an instance attribute on the accelerator that :meth:`remove` takes off again. An earlier
+    capture left on the same accelerator (a run that ended with an exception) is removed first."""
+
+    def __init__(self, accelerator: Any, sink: Any) -> None:
+        old = accelerator.__dict__.get("backward")
+        if isinstance(getattr(old, "_stabilityguard_capture", None), _BackwardCapture):
+            old._stabilityguard_capture.remove()
+        self._accelerator = weakref.ref(accelerator)
+        self._had = "backward" in accelerator.__dict__
+        self._previous = accelerator.__dict__.get("backward")
+        original = accelerator.backward
+        sink_ref = weakref.WeakMethod(sink)
+
+        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            fn = sink_ref()
+            if fn is not None:
+                fn(loss)
+            return original(loss, *args, **kwargs)
+
+        backward._stabilityguard_capture = self  # type: ignore[attr-defined]
+        self._wrapper = backward
+        accelerator.backward = backward
+
+    def remove(self) -> None:
+        acc = self._accelerator()
+        if acc is None or acc.__dict__.get("backward") is not self._wrapper:
+            return
+        if self._had:
+            acc.backward = self._previous
+        else:
+            del acc.backward
 
 
 class StabilityGuardCallback(TrainerCallback):
@@ -90,14 +154,22 @@ class StabilityGuardCallback(TrainerCallback):
     it holds its value whatever way training ends (an exception in the forward or backward pass, or
     the guard's own :class:`~stabilityguard.GradientSpikeError`), and checkpoints save it unchanged.
 
-    **Loss.** A forward hook on the model hands each optimizer step's loss to the guard as a tensor
-    (the mean over the accumulated micro-batches, as the Trainer logs it; read in the guard's single
-    device->host transfer), so events and trackers show the loss.
+    **Loss.** Each optimizer step's loss reaches the guard as a tensor (read in the guard's single
+    device->host transfer), so events and trackers show the loss: the sum of the losses the Trainer
+    passes to ``accelerator.backward`` over the step's micro-batches, which is the loss the Trainer logs
+    (label smoothing, ``compute_loss_func``, gradient accumulation and token-count normalisation
+    included). Where the Trainer's backward cannot be followed (a custom ``training_step`` that calls
+    ``loss.backward()`` itself), a forward hook reads the model output's loss (``.loss``, ``["loss"]``
+    or the first element of a tuple) instead; a step with no loss the guard could read is warned about
+    once, and the guard then runs without its loss signals.
 
     **Resume.** The guard's state (baselines, counters, feature state) is written into
-    ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``);
+    ``trainer_state.json`` of every checkpoint (``stateful_callbacks["stabilityguard"]``), taken when the
+    Trainer saves the optimizer right before that file (whichever callback asked for the save);
     ``trainer.train(resume_from_checkpoint=...)`` restores it, so the resumed run takes the same
-    decisions as an uninterrupted one.
+    decisions as an uninterrupted one. With ``nan_action="rollback"`` the rollback snapshot's tensors
+    are read from the ``"stabilityguard"`` entry of the checkpoint's ``optimizer.pt`` (the Trainer saves
+    the guard's full state dict there), so a resumed run rolls back to the same step and weights.
 
     **Refused-batch records.** Every refused step is appended to ``<log_dir>/refused_batches.jsonl``
     with its epoch, global step, the index within the epoch of its first dataloader batch and, when
@@ -183,16 +255,21 @@ class StabilityGuardCallback(TrainerCallback):
         self._first_epoch = True
         self._len_dataloader: Optional[int] = None
         self._pending_state: Optional[Dict[str, Any]] = None
+        self._capture: Optional[_BackwardCapture] = None
+        self._save_hook: Any = None
+        self._warned_no_loss = False
 
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, **kw: Any) -> None:
+        trainer, resume_path = _calling_trainer()
         holder, inner = self._find_optimizer(optimizer)
         if self._skip_file is not None and getattr(holder, "scaler", None) is not None:
             raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
                               "gradients of a recorded step, which GradScaler.step refuses); use bf16 or turn it off")
         self._args, self._state = args, state
-        if isinstance(inner, GuardedOptimizer) and inner not in self._own_guards:
+        users_guard = isinstance(inner, GuardedOptimizer) and inner not in self._own_guards
+        if users_guard:
             self.guard = inner  # the user's own guard: keep its settings
             if args.max_grad_norm and args.max_grad_norm > 0:
                 logger.warning("stabilityguard: the Trainer's optimizer is already a GuardedOptimizer; the Trainer "
@@ -212,15 +289,99 @@ class StabilityGuardCallback(TrainerCallback):
             self._load_guard_state(self._pending_state["guard"])
             self._pending_state = None
         saved = (getattr(state, "stateful_callbacks", None) or {}).get(STATE_KEY)
-        if state.global_step > 0 and isinstance(saved, dict) and "guard" in saved:
-            self._load_guard_state(saved["guard"])
-            logger.info("stabilityguard: guard state restored from the checkpoint (step %d)", self.guard.counters.steps)
+        if state.global_step > 0 and isinstance(saved, dict) and isinstance(saved.get("guard"), dict):
+            self._restore_checkpoint_state(saved["guard"], resume_path, args, state, users_guard)
         elif state.global_step > 0:
             logger.warning("stabilityguard: resuming at step %d from a checkpoint without guard state; baselines "
                            "warm up again", state.global_step)
         self._setup_data_position(args, state, train_dataloader)
         self._setup_records(args, holder)
         self._install_hooks(model)
+        self._stash_when_saved()
+        self._remove_capture()
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None and callable(getattr(accelerator, "backward", None)):
+            self._capture = _BackwardCapture(accelerator, self._on_backward_loss)
+
+    def _restore_checkpoint_state(self, saved: Dict[str, Any], resume_path: Any, args: Any, state: Any,
+                                  users_guard: bool) -> None:
+        """Load the checkpoint's guard state: ``trainer_state.json``'s, or with a rollback snapshot the full
+        one from ``optimizer.pt``; never over a user's guard that the Trainer already loaded from there."""
+        assert self.guard is not None
+        steps = (saved.get("counters") or {}).get("steps")
+        if users_guard and steps is not None and self.guard.counters.steps == steps:
+            # The Trainer loaded optimizer.pt into the user's GuardedOptimizer: its full state, snapshot included.
+            logger.info("stabilityguard: the guard's state was restored with the optimizer (step %d)", steps)
+            return
+        full = self._checkpoint_guard_state(saved, resume_path, args, state) if saved.get("rollback") else None
+        self._load_guard_state(full if full is not None else saved)
+        logger.info("stabilityguard: guard state restored from the checkpoint (step %d%s)", self.guard.counters.steps,
+                    ", with the rollback snapshot" if full is not None else "")
+
+    @staticmethod
+    def _checkpoint_guard_state(saved: Dict[str, Any], resume_path: Any, args: Any,
+                                state: Any) -> Optional[Dict[str, Any]]:
+        """The guard's full state (with the rollback snapshot's tensors) from the ``optimizer.pt`` of the
+        checkpoint this run resumes from; ``None`` if it cannot be read."""
+        if resume_path is not None:
+            folder = Path(resume_path)
+        else:  # the Trainer's frame was not found: its default folder, if it is the checkpoint we resume from
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            try:
+                on_disk = json.loads((folder / "trainer_state.json").read_text())["stateful_callbacks"][STATE_KEY]
+                if json.dumps(on_disk["guard"], sort_keys=True) != json.dumps(saved, sort_keys=True):
+                    return None
+            except Exception:  # noqa: BLE001 - no such checkpoint: the JSON state it is
+                return None
+        path = folder / "optimizer.pt"
+        if not path.is_file():
+            return None
+        try:
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # reads only what it uses
+            except RuntimeError:  # not a zip-format file: no mmap
+                sd = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - fall back to the JSON state, loudly
+            logger.warning("stabilityguard: could not read the rollback snapshot from %s (%s); the snapshot is "
+                           "taken again from the resumed weights", path, e)
+            return None
+        full = sd.get(STATE_KEY) if isinstance(sd, dict) else None
+        if not isinstance(full, dict) or not isinstance(full.get("rollback"), dict) or \
+                "tensors" not in full["rollback"]:
+            logger.warning("stabilityguard: %s has no rollback snapshot of the guard (not saved by a Trainer with this "
+                           "callback?); the snapshot is taken again from the resumed weights", path)
+            return None
+        return full
+
+    def _stash_when_saved(self) -> None:
+        """Stash the guard's state whenever its optimizer state dict is taken: the Trainer's checkpoint takes it
+        (``optimizer.pt``) right before it writes ``trainer_state.json``, so the JSON state is the state at the
+        moment of the save, whichever callback asked for it."""
+        self._remove_save_hook()
+        assert self.guard is not None
+        self._save_hook = self.guard.register_state_dict_pre_hook(self._stash_before_state_dict)
+
+    def _stash_before_state_dict(self, optimizer: Any) -> None:
+        if optimizer is self.guard and self._state is not None:
+            self._stash(self._state)
+
+    def _remove_save_hook(self) -> None:
+        if self._save_hook is not None:
+            self._save_hook.remove()
+            self._save_hook = None
+
+    def _remove_capture(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
+
+    def _on_backward_loss(self, loss: Any) -> None:
+        if self.guard is None or not isinstance(loss, torch.Tensor):
+            return
+        loss = loss.detach().float()
+        if loss.dim():
+            loss = loss.mean()
+        self._loss_backward = loss if self._loss_backward is None else self._loss_backward + loss
 
     @staticmethod
     def _find_optimizer(optimizer: Any) -> Tuple[Any, Any]:
@@ -335,6 +496,7 @@ class StabilityGuardCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ per step
     def _reset_step(self) -> None:
+        self._loss_backward: Optional[torch.Tensor] = None  # sum of the losses passed to accelerator.backward
         self._loss_scaled: Optional[torch.Tensor] = None  # sum of losses already normalised over the step
         self._loss_sum: Optional[torch.Tensor] = None  # sum of per-micro-batch mean losses
         self._loss_n = 0
@@ -433,9 +595,14 @@ class StabilityGuardCallback(TrainerCallback):
                                   lambda: self._record_context()["sample_indices"]):
             self._skip_recorded_step(state)
             return
-        loss = self._step_loss()
+        loss = self._loss_backward if self._loss_backward is not None else self._step_loss()
         if loss is not None:
             self.guard.observe_loss(loss)
+        elif not self._warned_no_loss:
+            self._warned_no_loss = True
+            logger.warning("stabilityguard: this training step produced no loss the guard could read (nothing passed "
+                           "to accelerator.backward, no loss in the model output); the guard runs without its loss "
+                           "signals (loss z-score, loss in events and trackers)")
 
     def _skip_recorded_step(self, state: Any) -> None:
         assert self.guard is not None
@@ -519,7 +686,10 @@ class StabilityGuardCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._restore_clipping()
         self._remove_hooks()
+        self._remove_capture()
+        self._remove_save_hook()
         if self.guard is not None:
+            self._stash(state)  # for trainer.save_state() after training
             self.guard.close()
 
 
