@@ -175,6 +175,8 @@ def test_a_record_whose_samples_differ_is_not_skipped(tmp_path, caplog):
     ({"index_key": b"idx"}, "index_key must be a non-empty string"),
     ({"nan_action": "ignore"}, "nan_action must be one of"),
     ({"warmup": 3}, "unknown GuardedOptimizer setting"),
+    ({"clip_grad_norm": 1.0}, "gradient_clip_val"),  # Lightning clips; the guard clipping again would clip twice
+    ({"skip_refused_batches": ""}, "skip_refused_batches must be True, False or the path"),
 ])
 def test_invalid_arguments_fail_at_construction(kwargs, message):
     if message is None:
@@ -225,3 +227,26 @@ def test_manual_optimization_with_two_optimizers_hands_each_its_loss(tmp_path):
     assert ga.counters.steps == gb.counters.steps == 10
     assert ga.counters.last_loss == pytest.approx(module.seen["a"][-1], rel=1e-6)
     assert gb.counters.last_loss == pytest.approx(module.seen["b"][-1], rel=1e-6)
+
+
+def test_enable_helene_with_gradient_clip_val_is_refused_at_fit_start(tmp_path):
+    """HELENE's per-layer clip uses the norms measured before Lightning clipped: it would clip a second time."""
+    cb = StabilityGuardCallback(log_dir=None, verbose=False, enable_helene=True)
+    with pytest.raises(ConfigError, match="enable_helene does not work with Lightning's gradient_clip_val"):
+        fit(tmp_path, cb, epochs=1)
+
+
+def test_a_users_guarded_optimizer_with_clip_grad_norm_and_gradient_clip_val_is_refused(tmp_path):
+    from stabilityguard import GuardedOptimizer
+
+    class OwnGuard(Lit):
+        def configure_optimizers(self):
+            return GuardedOptimizer(torch.optim.AdamW(self.parameters(), lr=3e-3), self, clip_grad_norm=1.0,
+                                    log_dir=None, verbose=False)
+
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[StabilityGuardCallback(log_dir=None, verbose=False)],
+                         default_root_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="clipped twice"):
+        trainer.fit(OwnGuard(), torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))

@@ -43,9 +43,11 @@ class StabilityGuardCallback(_pl.Callback):
     ``optimizer.step(closure)`` and clips gradients (``gradient_clip_val``) inside that closure, right
     after ``on_before_optimizer_step``; the callback measures the gradients in that hook, before
     clipping, and the guard decides on those numbers. A refused step never reaches the weights. The
-    loss handed to ``backward`` (``on_before_backward``, summed over accumulated batches) goes to the
-    guard with that measurement, as a tensor (no extra host sync). Under ``strategy="ddp"`` every rank
-    takes the same decision and only rank 0 writes the event log.
+    guard clips nothing itself on this path: ``clip_grad_norm`` is refused (use ``gradient_clip_val``),
+    and so is ``enable_helene`` together with ``gradient_clip_val`` (both would clip again, on norms
+    measured before Lightning clipped). The loss handed to ``backward`` (``on_before_backward``, summed
+    over accumulated batches) goes to the guard with that measurement, as a tensor (no extra host sync).
+    Under ``strategy="ddp"`` every rank takes the same decision and only rank 0 writes the event log.
 
     The guard's counters are logged with ``pl_module.log`` (``sg/spikes_total``, ...) so any Lightning
     logger records them, and the guard state is saved in checkpoints (``state_dict``).
@@ -66,8 +68,8 @@ class StabilityGuardCallback(_pl.Callback):
         **guard_kwargs: :class:`GuardedOptimizer` settings (``spike_threshold``, ``nan_action``, ...).
 
     Raises:
-        ConfigError: For an invalid setting, and at ``on_fit_start`` for an optimizer that is not a
-            ``torch.optim.Optimizer``.
+        ConfigError: For an invalid setting (``clip_grad_norm`` included), and at ``on_fit_start`` for an
+            optimizer that is not a ``torch.optim.Optimizer`` or ``enable_helene`` with ``gradient_clip_val``.
 
     Example:
         >>> cb = StabilityGuardCallback(log_dir="runs/sg", skip_refused_batches=True)  # doctest: +SKIP
@@ -82,6 +84,12 @@ class StabilityGuardCallback(_pl.Callback):
         for s in sinks or ():
             if not callable(getattr(s, "emit", None)):
                 raise ConfigError(f"sinks must be objects with an emit(event) method; got {s!r}")
+        if "clip_grad_norm" in guard_kwargs:
+            raise ConfigError(
+                "StabilityGuardCallback does not take clip_grad_norm: set lightning.Trainer(gradient_clip_val=...) "
+                "instead (the guard measures before Lightning clips; a second clip by the guard, on the norms "
+                "measured before Lightning's, would clip the gradients twice)"
+            )
         unknown = sorted(set(guard_kwargs) - set(GuardConfig.field_names()) - {"eos_probe"})
         if unknown:
             raise ConfigError(f"unknown GuardedOptimizer setting(s) {unknown}; see GuardConfig for the settings")
@@ -116,7 +124,7 @@ class StabilityGuardCallback(_pl.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._trainer = trainer
-        guarded = []
+        guarded, created = [], []
         for opt in trainer.strategy.optimizers:
             if not isinstance(opt, GuardedOptimizer):
                 if not isinstance(opt, torch.optim.Optimizer):
@@ -126,7 +134,14 @@ class StabilityGuardCallback(_pl.Callback):
                         "step, such as DeepSpeed, are not supported)"
                     )
                 opt = GuardedOptimizer(opt, pl_module, sinks=self.sinks, **self.guard_kwargs)
+                created.append(opt)
             guarded.append(opt)
+        try:
+            _check_clipping(trainer, guarded)
+        except ConfigError:
+            for g in created:
+                g.close()
+            raise
         trainer.strategy.optimizers = guarded
         self.guards = guarded
         if self._pending_state is not None:
@@ -224,6 +239,21 @@ class StabilityGuardCallback(_pl.Callback):
                 g.load_guard_state_dict(st)
         else:
             self._pending_state = dict(state_dict)
+
+
+def _check_clipping(trainer: Any, guards: List[GuardedOptimizer]) -> None:
+    """With ``gradient_clip_val`` the guard measures before Lightning clips: a clip of its own would use those
+    (pre-clip) norms on gradients Lightning has clipped since, and clip them a second time."""
+    if not getattr(trainer, "gradient_clip_val", None):
+        return
+    for g in guards:
+        if g.config.enable_helene:
+            raise ConfigError("enable_helene does not work with Lightning's gradient_clip_val: its per-layer clip "
+                              "would use the norms measured before Lightning clipped, and clip the gradients a "
+                              "second time; turn one off")
+        if g.config.clip_grad_norm is not None:
+            raise ConfigError("the GuardedOptimizer has clip_grad_norm and the Trainer gradient_clip_val: the "
+                              "gradients would be clipped twice; keep gradient_clip_val only")
 
 
 __all__ = ["StabilityGuardCallback"]
