@@ -250,3 +250,25 @@ def test_a_users_guarded_optimizer_with_clip_grad_norm_and_gradient_clip_val_is_
                          default_root_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="clipped twice"):
         trainer.fit(OwnGuard(), torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+
+
+@pytest.mark.parametrize("clip, accum", [(None, 1), (1.0, 1), (1.0, 2)])
+def test_fp16_mixed_hands_the_guard_the_unscaled_loss(tmp_path, clip, accum):
+    """precision="16-mixed": the loss on_before_backward gets is times the GradScaler's scale (65536, then growing);
+    the guard gets the training_step loss, also after the scale grew."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", growth_interval=2))
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
+    module = Lit()
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, gradient_clip_val=clip, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accumulate_grad_batches=accum, callbacks=[cb], plugins=[plugin],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(module, torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    assert plugin.scaler.get_scale() > 65536.0  # the scale grew during the fit
+    summaries = {e["step"]: e["loss"] for e in _events(tmp_path / "sg") if e["kind"] == "step_summary"}
+    assert len(summaries) == 6
+    for step, losses in module.losses.items():
+        assert summaries[step] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert cb.guard.counters.clipped == 0 and cb.guard.counters.spikes == 0

@@ -46,8 +46,12 @@ class StabilityGuardCallback(_pl.Callback):
     guard clips nothing itself on this path: ``clip_grad_norm`` is refused (use ``gradient_clip_val``),
     and so is ``enable_helene`` together with ``gradient_clip_val`` (both would clip again, on norms
     measured before Lightning clipped). The loss handed to ``backward`` (``on_before_backward``, summed
-    over accumulated batches) goes to the guard with that measurement, as a tensor (no extra host sync).
-    Under ``strategy="ddp"`` every rank takes the same decision and only rank 0 writes the event log.
+    over accumulated batches; with ``precision="16-mixed"`` divided by the GradScaler's scale, on the
+    device) goes to the guard with that measurement, as a tensor (no extra host sync). In manual
+    optimization it is the sum of the losses given to ``manual_backward`` since the optimizer's last
+    step (divide them by the number of accumulated batches, as Lightning's docs do, to hand over their
+    mean). Under ``strategy="ddp"`` every rank takes the same decision and only rank 0 writes the event
+    log.
 
     The guard's counters are logged with ``pl_module.log`` (``sg/spikes_total``, ...) so any Lightning
     logger records them, and the guard state is saved in checkpoints (``state_dict``).
@@ -179,6 +183,12 @@ class StabilityGuardCallback(_pl.Callback):
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if isinstance(loss, torch.Tensor):
             lt = loss.detach()  # already divided by accumulate_grad_batches: the sum is the step's mean
+            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+            if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
+                # fp16 ("16-mixed"): the precision plugin hands this hook the loss times the GradScaler's scale
+                # (a power of two: the division is exact). Divided on the device, no host sync; the scale
+                # changes only in scaler.update(), after the optimizer step.
+                lt = lt / scaler.scale(torch.ones((), dtype=torch.float32, device=lt.device))
             self._loss = lt if self._loss is None else self._loss + lt
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
