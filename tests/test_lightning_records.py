@@ -272,3 +272,66 @@ def test_fp16_mixed_hands_the_guard_the_unscaled_loss(tmp_path, clip, accum):
     for step, losses in module.losses.items():
         assert summaries[step] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert cb.guard.counters.clipped == 0 and cb.guard.counters.spikes == 0
+
+
+class BadSample(Lit):
+    """Sample 40 (batch 5 of an unshuffled epoch) makes the loss NaN."""
+
+    def training_step(self, batch, batch_idx):
+        self.batches[(self.current_epoch, batch_idx)] = batch["idx"].tolist()
+        loss = self.model.loss(batch["x"], batch["y"])
+        return loss * math.nan if 40 in batch["idx"].tolist() else loss
+
+
+class ResumableLoader(torch.utils.data.DataLoader):
+    """A DataLoader Lightning resumes mid-epoch (it has ``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._start = self._yielded = 0
+
+    def __iter__(self):
+        start, self._start = self._start, 0
+        self._yielded = start
+        for i, b in enumerate(super().__iter__()):
+            if i >= start:
+                self._yielded = i + 1
+                yield b
+
+    def state_dict(self):
+        return {"yielded": self._yielded}
+
+    def load_state_dict(self, state):
+        self._start = state["yielded"]
+
+
+@pytest.mark.parametrize("resumable, index_key", [(False, None), (False, "idx"), (True, None)])
+def test_a_mid_epoch_resume_skips_the_recorded_data_not_the_recorded_batch_idx(tmp_path, resumable, index_key):
+    """Resumed from a mid-epoch checkpoint (step 3), Lightning starts a plain DataLoader again from its first batch
+    while batch_idx continues at 3: the bad data (position 5) comes at batch_idx 8. The record names the position.
+    A loader that resumes goes on at batch 3 (batch_idx = position)."""
+    def run(root, cb, ckpt_path=None, callbacks=()):
+        module = BadSample()
+        trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=bool(callbacks),
+                             callbacks=[cb, *callbacks], default_root_dir=str(root))
+        loader = (ResumableLoader if resumable else torch.utils.data.DataLoader)(IndexedData(), batch_size=BATCH)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return module
+
+    ck = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_train_steps=3)
+    crash = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, nan_action="raise", index_key=index_key)
+    with pytest.raises(GradientSpikeError):
+        run(tmp_path / "a", crash, callbacks=[ck])
+    (record,) = load_records(tmp_path / "sg" / "refused_batches.jsonl")
+    assert (record["epoch"], record["batch_index"]) == (0, 5)
+
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, nan_action="raise", index_key=index_key,
+                                skip_refused_batches=True)
+    module = run(tmp_path / "b", cb, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt"))
+    at = 5 if resumable else 8  # the batch_idx of the recorded data in the resumed fit
+    # a plain loader started again: batch_idx 3 holds batch 0's data
+    assert module.batches[(0, 3)] == list(range(24, 32) if resumable else range(8))
+    assert [(s["epoch"], s["batch_index"], s["global_step"]) for s in cb.skipped_batches] == [(0, 5, at)]
+    assert 40 in module.batches[(0, at)]  # the skipped step held the recorded data
+    assert cb.guard.counters.nonfinite == 0 and all(torch.isfinite(p).all() for p in module.parameters())

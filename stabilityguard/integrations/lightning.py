@@ -57,17 +57,20 @@ class StabilityGuardCallback(_pl.Callback):
     logger records them, and the guard state is saved in checkpoints (``state_dict``).
 
     **Refused-batch records.** Every refused step is appended to ``<log_dir>/refused_batches.jsonl``
-    with its epoch, global step, ``batch_idx`` (of the first batch of the step) and, for dict batches
-    with an ``index_key`` field, the sample indices. With ``skip_refused_batches`` a resumed fit skips
-    the recorded steps, matched by ``(epoch, batch_idx)``. Lightning gives callbacks no way to drop one
-    batch (``-1`` from the LightningModule's ``on_train_batch_start`` ends the whole epoch), so a
-    recorded batch still runs ``training_step`` and backward, and its gradients are discarded before
+    with its epoch, global step, ``batch_index`` (the position in the epoch's data of the first batch of
+    the step: ``batch_idx``, except after a resume from a mid-epoch checkpoint with a dataloader that
+    cannot resume, which starts again from its first batch while ``batch_idx`` goes on) and, for dict
+    batches with an ``index_key`` field, the sample indices. With ``skip_refused_batches`` a resumed fit
+    skips the recorded steps, matched by ``(epoch, batch_index)``. Lightning gives callbacks no way to
+    drop one batch (``-1`` from the LightningModule's ``on_train_batch_start`` ends the whole epoch), so
+    a recorded batch still runs ``training_step`` and backward, and its gradients are discarded before
     the optimizer step: weights, optimizer state and baselines never see it.
 
     Args:
         sinks: Extra sinks for the guard.
         skip_refused_batches: ``False``; ``True`` to skip the steps recorded in
-            ``<log_dir>/refused_batches.jsonl``; or the path of a records file.
+            ``<log_dir>/refused_batches.jsonl``; or the path of a records file, or of the directory
+            holding it (a missing file is warned about and skips nothing).
         index_key: The field of dict batches with the samples' dataset indices (``None``: none).
         **guard_kwargs: :class:`GuardedOptimizer` settings (``spike_threshold``, ``nan_action``, ...).
 
@@ -115,6 +118,7 @@ class StabilityGuardCallback(_pl.Callback):
         self._window_step: Optional[int] = None  # trainer.global_step when that window began
         self._window_indices: List[Any] = []
         self._loss: Optional[torch.Tensor] = None
+        self._offset: Optional[int] = None  # batch_idx - _offset: the batch's position in the epoch's data
 
     @property
     def guard(self) -> Optional[GuardedOptimizer]:
@@ -128,6 +132,7 @@ class StabilityGuardCallback(_pl.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._trainer = trainer
+        self._offset = None
         guarded, created = [], []
         for opt in trainer.strategy.optimizers:
             if not isinstance(opt, GuardedOptimizer):
@@ -170,10 +175,23 @@ class StabilityGuardCallback(_pl.Callback):
                 return g
         return None
 
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._offset = None  # set by the epoch's first batch
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._offset is None:
+            # A fit resumed from a mid-epoch checkpoint starts at batch_idx k > 0, but a loader that cannot
+            # resume (no state_dict/load_state_dict) starts again from its first batch: the data at batch_idx
+            # k is the data of batch 0. Records name the batch's position in the epoch's data order.
+            self._offset = batch_idx if batch_idx > 0 and not _loader_resumes(trainer) else 0
+            if self._offset:
+                log = logger.warning if self._skip_file is not None else logger.info
+                log("stabilityguard: resumed in the middle of epoch %d with a dataloader that starts again from "
+                    "its first batch; refused-batch records name the batch's position in the data (batch_idx - %d)",
+                    trainer.current_epoch, self._offset)
         if self._window_step != trainer.global_step or self._window_start is None:
             # The first batch of a new optimizer step (with accumulation, later batches join the window).
-            self._window_start, self._window_step = batch_idx, trainer.global_step
+            self._window_start, self._window_step = batch_idx - self._offset, trainer.global_step
             self._window_indices = []
             self._loss = None
         if self.index_key is not None and isinstance(batch, dict) and self.index_key in batch:
@@ -200,7 +218,7 @@ class StabilityGuardCallback(_pl.Callback):
                                   lambda: self._record_context()["sample_indices"]):
             self.skipped_batches.append({"epoch": trainer.current_epoch, "batch_index": self._window_start,
                                          "global_step": trainer.global_step, "step": guard.counters.steps})
-            logger.warning("stabilityguard: skipping recorded step (epoch %d, batch_idx %s): its gradients are "
+            logger.warning("stabilityguard: skipping recorded step (epoch %d, batch %s): its gradients are "
                            "discarded before the optimizer step", trainer.current_epoch, self._window_start)
             guard.skip_next_step("recorded_batch")  # discarded, counted as skipped, an action record
             self._loss = None
@@ -264,6 +282,18 @@ def _check_clipping(trainer: Any, guards: List[GuardedOptimizer]) -> None:
         if g.config.clip_grad_norm is not None:
             raise ConfigError("the GuardedOptimizer has clip_grad_norm and the Trainer gradient_clip_val: the "
                               "gradients would be clipped twice; keep gradient_clip_val only")
+
+
+def _loader_resumes(trainer: Any) -> bool:
+    """Whether the fit's train dataloaders resume mid-epoch from a checkpoint (Lightning's own test: every
+    one has ``state_dict``/``load_state_dict``); ``False`` when that cannot be told."""
+    try:
+        from lightning.fabric.utilities.types import _Stateful
+
+        loaders = trainer.fit_loop._combined_loader.flattened
+        return bool(loaders) and all(isinstance(x, _Stateful) for x in loaders)
+    except Exception:  # another Lightning version: the common case, a plain DataLoader, does not resume
+        return False
 
 
 __all__ = ["StabilityGuardCallback"]
