@@ -335,3 +335,27 @@ def test_a_mid_epoch_resume_skips_the_recorded_data_not_the_recorded_batch_idx(t
     assert [(s["epoch"], s["batch_index"], s["global_step"]) for s in cb.skipped_batches] == [(0, 5, at)]
     assert 40 in module.batches[(0, at)]  # the skipped step held the recorded data
     assert cb.guard.counters.nonfinite == 0 and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_checkpoints_hold_the_rollback_snapshot_once_and_a_resume_rolls_back_bit_for_bit(tmp_path):
+    """The callback state leaves the snapshot's tensors out: the optimizer state carries them, and Lightning loads
+    it after the callback state. A rollback after the resume, to a snapshot taken before the checkpoint (step 7,
+    checkpoint at step 10), gives the same weights as the uninterrupted fit."""
+    faults = {(1, 2): math.nan}  # step 12: rolled back to the snapshot of step 7
+    kw = dict(verbose=False, nan_action="rollback", rollback_interval=7, warmup_steps=3)
+    full_cb = StabilityGuardCallback(log_dir=tmp_path / "sg_full", **kw)
+    _, full = fit(tmp_path / "full", full_cb, faults=faults, epochs=2)
+    fit(tmp_path / "a", StabilityGuardCallback(log_dir=tmp_path / "sg", **kw), faults=faults, epochs=1, checkpoint=True)
+    ckpt = torch.load(tmp_path / "a" / "ckpt" / "last.ckpt", weights_only=False)
+    (cb_state,) = [v for k, v in ckpt["callbacks"].items() if "StabilityGuardCallback" in k]
+    rollback = cb_state["guards"][0]["rollback"]
+    assert rollback["snapshot_step"] == 7 and "tensors" not in rollback
+    assert ckpt["optimizer_states"][0]["stabilityguard"]["rollback"]["snapshot_step"] == 7
+    assert ckpt["optimizer_states"][0]["stabilityguard"]["rollback"]["tensors"]  # once, with the optimizer state
+
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", **kw)
+    _, resumed = fit(tmp_path / "b", cb, faults=faults, epochs=2, ckpt_path=str(tmp_path / "a" / "ckpt" / "last.ckpt"))
+    assert cb.guard.counters.rollbacks == full_cb.guard.counters.rollbacks == 1
+    rollbacks = [e for e in _events(tmp_path / "sg") if e["kind"] == "nonfinite"]
+    assert [(e["step"], e["action"]) for e in rollbacks] == [(12, "rollback")]
+    assert all(torch.equal(a, b) for a, b in zip(full.state_dict().values(), resumed.state_dict().values()))

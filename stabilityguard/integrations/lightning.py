@@ -257,7 +257,10 @@ class StabilityGuardCallback(_pl.Callback):
             g.close()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"guards": [g.guard_state_dict() for g in self.guards]}
+        # Without the rollback snapshot's tensors: the optimizer state (GuardedOptimizer.state_dict) carries
+        # them, and Lightning loads it after this state (restore_callbacks, on_fit_start, then
+        # restore_training_state), so the snapshot comes back from there; saved once, not twice.
+        return {"guards": [g.guard_state_dict(tensors=False) for g in self.guards]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("guards", []), list):
