@@ -374,3 +374,37 @@ def test_checkpoints_hold_the_rollback_snapshot_once_and_a_resume_rolls_back_bit
     rollbacks = [e for e in _events(tmp_path / "sg") if e["kind"] == "nonfinite"]
     assert [(e["step"], e["action"]) for e in rollbacks] == [(12, "rollback")]
     assert all(torch.equal(a, b) for a, b in zip(full.state_dict().values(), resumed.state_dict().values()))
+
+
+class ManualAccumulation(Lit):
+    """Manual optimization with accumulation as Lightning's docs write it: each loss / N, a step every N batches."""
+
+    N = 2
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.model.loss(batch["x"], batch["y"])
+        self.losses.setdefault(batch_idx // self.N, []).append(loss.item())
+        self.manual_backward(loss / self.N)
+        if (batch_idx + 1) % self.N == 0:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_manual_accumulation_hands_the_guard_the_mean_of_the_step_losses(tmp_path):
+    """The guard gets the sum of what went to manual_backward since the last step: with the losses divided by N
+    (Lightning's documented pattern), the mean of the N batches' losses."""
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, log_every=1)
+    module = ManualAccumulation()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(module, torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    summaries = {e["step"]: e["loss"] for e in _events(tmp_path / "sg") if e["kind"] == "step_summary"}
+    assert len(summaries) == 5 and cb.guard.counters.steps == 5
+    for step, losses in module.losses.items():
+        assert summaries[step] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
