@@ -42,11 +42,16 @@ def check_skip_setting(value: Any, log_dir: Any) -> Optional[Path]:
     """Validate ``skip_refused_batches``; the records file it names, or ``None`` when off.
 
     Args:
-        value: ``False`` (off), ``True`` (``<log_dir>/refused_batches.jsonl``) or a path to a records file.
+        value: ``False`` (off), ``True`` (``<log_dir>/refused_batches.jsonl``) or a path: a records file, or
+            a directory, which means the ``refused_batches.jsonl`` in it (a run's ``log_dir``).
         log_dir: The guard's ``log_dir`` setting (``None``: no files).
 
     Raises:
-        ConfigError: For another type, or ``True`` without a ``log_dir``.
+        ConfigError: For another type, an empty path, a path that exists but is neither a file nor a
+            directory, or ``True`` without a ``log_dir``.
+
+    A path that does not exist (yet) is accepted with a warning: nothing will be skipped unless the file
+    is there when training starts. ``True`` on a first run (no file yet) is not warned about.
     """
     if getattr(value, "ndim", None) == 0 and getattr(getattr(value, "dtype", None), "kind", None) == "b":
         value = bool(value)  # a numpy bool scalar
@@ -60,7 +65,19 @@ def check_skip_setting(value: Any, log_dir: Any) -> Optional[Path]:
             )
         return Path(log_dir) / RECORDS_FILE
     if isinstance(value, (str, os.PathLike)):
-        return Path(value)
+        text = os.fspath(value)
+        if isinstance(text, bytes) or not text.strip():
+            raise ConfigError(f"skip_refused_batches must be True, False or the path of a refused_batches.jsonl "
+                              f"file (or of the log_dir holding one); got {value!r}")
+        path = Path(text)
+        if path.is_dir():
+            return path / RECORDS_FILE  # the log_dir of the run that wrote the records
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"skip_refused_batches={value!r} is neither a file nor a directory")
+        if not path.exists():
+            logger.warning("stabilityguard: skip_refused_batches=%r: no such file; no recorded step will be skipped "
+                           "unless it exists when training starts", text)
+        return path
     raise ConfigError(
         f"skip_refused_batches must be True, False or the path of a refused_batches.jsonl file; "
         f"got {type(value).__name__} {value!r}"
@@ -77,10 +94,15 @@ def check_index_key(value: Any) -> Optional[str]:
 
 
 def load_records(path: Union[str, "os.PathLike[str]"], framework: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Read a ``refused_batches.jsonl`` file; unreadable lines are skipped with a warning.
+    """Read a ``refused_batches.jsonl`` file; unreadable lines are reported with a warning and skipped.
+
+    A line is unreadable when it is not a JSON object, when ``epoch`` or ``batch_index`` is not ``null`` or
+    a finite integral number >= 0 (``NaN``, ``Infinity``, ``0.7``, ``true``, ``"3"``), or when
+    ``sample_indices`` is not ``null`` or a list of such numbers. Integral floats (``3.0``) read as ints.
 
     Args:
-        path: The file. A missing file reads as no records.
+        path: The file, or a directory holding one (``<dir>/refused_batches.jsonl``). A missing file reads
+            as no records.
         framework: Keep only records of this framework (``"huggingface"`` or ``"lightning"``).
 
     Returns:
@@ -91,47 +113,83 @@ def load_records(path: Union[str, "os.PathLike[str]"], framework: Optional[str] 
         []
     """
     p = Path(path)
+    if p.is_dir():
+        p = p / RECORDS_FILE
     if not p.is_file():
         return []
     out: List[Dict[str, Any]] = []
-    bad = 0
+    bad: List[int] = []
     with p.open("r", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
+        for number, line in enumerate(fh, 1):
             line = line.strip()
             if not line:
                 continue
             try:
-                rec = json.loads(line)
+                rec = _checked(json.loads(line))
             except ValueError:
-                bad += 1
-                continue
-            if not isinstance(rec, dict) or not _valid_key(rec.get("epoch")) or not _valid_key(rec.get("batch_index")):
-                bad += 1
+                rec = None
+            if rec is None:
+                bad.append(number)
                 continue
             if framework is not None and rec.get("framework") != framework:
                 continue
             out.append(rec)
     if bad:
-        logger.warning("stabilityguard: %d unreadable line(s) in %s ignored", bad, p)
+        shown = ", ".join(str(n) for n in bad[:10]) + (", ..." if len(bad) > 10 else "")
+        logger.warning("stabilityguard: %d unreadable line(s) in %s ignored (line %s)", len(bad), p, shown)
     return out
 
 
-def _valid_key(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+def _index(v: Any) -> Optional[int]:
+    """``v`` as an index: an int, or an integral finite float, >= 0; ``None`` if it is anything else."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v if v >= 0 else None
+    if isinstance(v, float) and v.is_integer() and v >= 0:  # False for NaN and the infinities
+        return int(v)
+    return None
+
+
+def _checked(rec: Any) -> Optional[Dict[str, Any]]:
+    """The record with its keys and sample indices as ints; ``None`` if one of them is malformed."""
+    if not isinstance(rec, dict):
+        return None
+    out = dict(rec)
+    for name in ("epoch", "batch_index"):
+        v = rec.get(name)
+        if v is not None:
+            out[name] = _index(v)
+            if out[name] is None:
+                return None
+    samples = rec.get("sample_indices")
+    if samples is not None:
+        if not isinstance(samples, list):
+            return None
+        ints = [_index(i) for i in samples]
+        if any(i is None for i in ints):
+            return None
+        out["sample_indices"] = ints
+    return out
 
 
 SkipTable = Dict[Tuple[int, int], List[Tuple[Any, Optional[List[int]]]]]
 
 
 def skip_keys(records: Iterable[Dict[str, Any]]) -> SkipTable:
-    """``(epoch, batch_index)`` of every record that has both -> ``(rank, sample indices)`` recorded there."""
+    """``(epoch, batch_index)`` of every record that has both -> ``(rank, sample indices)`` recorded there.
+
+    ``records`` as :func:`load_records` returns them (keys and sample indices checked); a record that
+    does not pass that check raises ``ValueError`` rather than being used with a weaker check.
+    """
     keys: SkipTable = {}
     for r in records:
-        if r.get("epoch") is not None and r.get("batch_index") is not None:
-            samples = r.get("sample_indices")
-            ok = isinstance(samples, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in samples)
-            key = (int(r["epoch"]), int(r["batch_index"]))
-            keys.setdefault(key, []).append((r.get("rank"), samples if ok else None))
+        checked = _checked(r)
+        if checked is None:
+            raise ValueError(f"not a refused-batch record: {r!r}")
+        if checked.get("epoch") is not None and checked.get("batch_index") is not None:
+            key = (checked["epoch"], checked["batch_index"])
+            keys.setdefault(key, []).append((checked.get("rank"), checked.get("sample_indices")))
     return keys
 
 

@@ -43,31 +43,40 @@ class StabilityGuardCallback(_pl.Callback):
     ``optimizer.step(closure)`` and clips gradients (``gradient_clip_val``) inside that closure, right
     after ``on_before_optimizer_step``; the callback measures the gradients in that hook, before
     clipping, and the guard decides on those numbers. A refused step never reaches the weights. The
-    loss handed to ``backward`` (``on_before_backward``, summed over accumulated batches) goes to the
-    guard with that measurement, as a tensor (no extra host sync). Under ``strategy="ddp"`` every rank
-    takes the same decision and only rank 0 writes the event log.
+    guard clips nothing itself on this path: ``clip_grad_norm`` is refused (use ``gradient_clip_val``),
+    and so is ``enable_helene`` together with ``gradient_clip_val`` (both would clip again, on norms
+    measured before Lightning clipped). The loss handed to ``backward`` (``on_before_backward``, summed
+    over accumulated batches; with ``precision="16-mixed"`` divided by the GradScaler's scale, on the
+    device) goes to the guard with that measurement, as a tensor (no extra host sync). In manual
+    optimization it is the sum of the losses given to ``manual_backward`` since the optimizer's last
+    step (divide them by the number of accumulated batches, as Lightning's docs do, to hand over their
+    mean). Under ``strategy="ddp"`` every rank takes the same decision and only rank 0 writes the event
+    log.
 
     The guard's counters are logged with ``pl_module.log`` (``sg/spikes_total``, ...) so any Lightning
     logger records them, and the guard state is saved in checkpoints (``state_dict``).
 
     **Refused-batch records.** Every refused step is appended to ``<log_dir>/refused_batches.jsonl``
-    with its epoch, global step, ``batch_idx`` (of the first batch of the step) and, for dict batches
-    with an ``index_key`` field, the sample indices. With ``skip_refused_batches`` a resumed fit skips
-    the recorded steps, matched by ``(epoch, batch_idx)``. Lightning gives callbacks no way to drop one
-    batch (``-1`` from the LightningModule's ``on_train_batch_start`` ends the whole epoch), so a
-    recorded batch still runs ``training_step`` and backward, and its gradients are discarded before
+    with its epoch, global step, ``batch_index`` (the position in the epoch's data of the first batch of
+    the step: ``batch_idx``, except after a resume from a mid-epoch checkpoint with a dataloader that
+    cannot resume, which starts again from its first batch while ``batch_idx`` goes on) and, for dict
+    batches with an ``index_key`` field, the sample indices. With ``skip_refused_batches`` a resumed fit
+    skips the recorded steps, matched by ``(epoch, batch_index)``. Lightning gives callbacks no way to
+    drop one batch (``-1`` from the LightningModule's ``on_train_batch_start`` ends the whole epoch), so
+    a recorded batch still runs ``training_step`` and backward, and its gradients are discarded before
     the optimizer step: weights, optimizer state and baselines never see it.
 
     Args:
         sinks: Extra sinks for the guard.
         skip_refused_batches: ``False``; ``True`` to skip the steps recorded in
-            ``<log_dir>/refused_batches.jsonl``; or the path of a records file.
+            ``<log_dir>/refused_batches.jsonl``; or the path of a records file, or of the directory
+            holding it (a missing file is warned about and skips nothing).
         index_key: The field of dict batches with the samples' dataset indices (``None``: none).
         **guard_kwargs: :class:`GuardedOptimizer` settings (``spike_threshold``, ``nan_action``, ...).
 
     Raises:
-        ConfigError: For an invalid setting, and at ``on_fit_start`` for an optimizer that is not a
-            ``torch.optim.Optimizer``.
+        ConfigError: For an invalid setting (``clip_grad_norm`` included), and at ``on_fit_start`` for an
+            optimizer that is not a ``torch.optim.Optimizer`` or ``enable_helene`` with ``gradient_clip_val``.
 
     Example:
         >>> cb = StabilityGuardCallback(log_dir="runs/sg", skip_refused_batches=True)  # doctest: +SKIP
@@ -82,6 +91,12 @@ class StabilityGuardCallback(_pl.Callback):
         for s in sinks or ():
             if not callable(getattr(s, "emit", None)):
                 raise ConfigError(f"sinks must be objects with an emit(event) method; got {s!r}")
+        if "clip_grad_norm" in guard_kwargs:
+            raise ConfigError(
+                "StabilityGuardCallback does not take clip_grad_norm: set lightning.Trainer(gradient_clip_val=...) "
+                "instead (the guard measures before Lightning clips; a second clip by the guard, on the norms "
+                "measured before Lightning's, would clip the gradients twice)"
+            )
         unknown = sorted(set(guard_kwargs) - set(GuardConfig.field_names()) - {"eos_probe"})
         if unknown:
             raise ConfigError(f"unknown GuardedOptimizer setting(s) {unknown}; see GuardConfig for the settings")
@@ -103,6 +118,7 @@ class StabilityGuardCallback(_pl.Callback):
         self._window_step: Optional[int] = None  # trainer.global_step when that window began
         self._window_indices: List[Any] = []
         self._loss: Optional[torch.Tensor] = None
+        self._offset: Optional[int] = None  # batch_idx - _offset: the batch's position in the epoch's data
 
     @property
     def guard(self) -> Optional[GuardedOptimizer]:
@@ -116,7 +132,8 @@ class StabilityGuardCallback(_pl.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._trainer = trainer
-        guarded = []
+        self._offset = None
+        guarded, created = [], []
         for opt in trainer.strategy.optimizers:
             if not isinstance(opt, GuardedOptimizer):
                 if not isinstance(opt, torch.optim.Optimizer):
@@ -126,7 +143,14 @@ class StabilityGuardCallback(_pl.Callback):
                         "step, such as DeepSpeed, are not supported)"
                     )
                 opt = GuardedOptimizer(opt, pl_module, sinks=self.sinks, **self.guard_kwargs)
+                created.append(opt)
             guarded.append(opt)
+        try:
+            _check_clipping(trainer, guarded)
+        except ConfigError:
+            for g in created:
+                g.close()
+            raise
         trainer.strategy.optimizers = guarded
         self.guards = guarded
         if self._pending_state is not None:
@@ -151,10 +175,23 @@ class StabilityGuardCallback(_pl.Callback):
                 return g
         return None
 
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._offset = None  # set by the epoch's first batch
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._offset is None:
+            # A fit resumed from a mid-epoch checkpoint starts at batch_idx k > 0, but a loader that cannot
+            # resume (no state_dict/load_state_dict) starts again from its first batch: the data at batch_idx
+            # k is the data of batch 0. Records name the batch's position in the epoch's data order.
+            self._offset = batch_idx if batch_idx > 0 and not _loader_resumes(trainer) else 0
+            if self._offset:
+                log = logger.warning if self._skip_file is not None else logger.info
+                log("stabilityguard: resumed in the middle of epoch %d with a dataloader that starts again from "
+                    "its first batch; refused-batch records name the batch's position in the data (batch_idx - %d)",
+                    trainer.current_epoch, self._offset)
         if self._window_step != trainer.global_step or self._window_start is None:
             # The first batch of a new optimizer step (with accumulation, later batches join the window).
-            self._window_start, self._window_step = batch_idx, trainer.global_step
+            self._window_start, self._window_step = batch_idx - self._offset, trainer.global_step
             self._window_indices = []
             self._loss = None
         if self.index_key is not None and isinstance(batch, dict) and self.index_key in batch:
@@ -164,6 +201,12 @@ class StabilityGuardCallback(_pl.Callback):
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if isinstance(loss, torch.Tensor):
             lt = loss.detach()  # already divided by accumulate_grad_batches: the sum is the step's mean
+            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+            if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
+                # fp16 ("16-mixed"): the precision plugin hands this hook the loss times the GradScaler's scale
+                # (a power of two: the division is exact). Divided on the device, no host sync; the scale
+                # changes only in scaler.update(), after the optimizer step.
+                lt = lt / scaler.scale(torch.ones((), dtype=torch.float32, device=lt.device))
             self._loss = lt if self._loss is None else self._loss + lt
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -175,7 +218,7 @@ class StabilityGuardCallback(_pl.Callback):
                                   lambda: self._record_context()["sample_indices"]):
             self.skipped_batches.append({"epoch": trainer.current_epoch, "batch_index": self._window_start,
                                          "global_step": trainer.global_step, "step": guard.counters.steps})
-            logger.warning("stabilityguard: skipping recorded step (epoch %d, batch_idx %s): its gradients are "
+            logger.warning("stabilityguard: skipping recorded step (epoch %d, batch %s): its gradients are "
                            "discarded before the optimizer step", trainer.current_epoch, self._window_start)
             guard.skip_next_step("recorded_batch")  # discarded, counted as skipped, an action record
             self._loss = None
@@ -214,7 +257,10 @@ class StabilityGuardCallback(_pl.Callback):
             g.close()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"guards": [g.guard_state_dict() for g in self.guards]}
+        # Without the rollback snapshot's tensors: the optimizer state (GuardedOptimizer.state_dict) carries
+        # them, and Lightning loads it after this state (restore_callbacks, on_fit_start, then
+        # restore_training_state), so the snapshot comes back from there; saved once, not twice.
+        return {"guards": [g.guard_state_dict(tensors=False) for g in self.guards]}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("guards", []), list):
@@ -224,6 +270,33 @@ class StabilityGuardCallback(_pl.Callback):
                 g.load_guard_state_dict(st)
         else:
             self._pending_state = dict(state_dict)
+
+
+def _check_clipping(trainer: Any, guards: List[GuardedOptimizer]) -> None:
+    """With ``gradient_clip_val`` the guard measures before Lightning clips: a clip of its own would use those
+    (pre-clip) norms on gradients Lightning has clipped since, and clip them a second time."""
+    if not getattr(trainer, "gradient_clip_val", None):
+        return
+    for g in guards:
+        if g.config.enable_helene:
+            raise ConfigError("enable_helene does not work with Lightning's gradient_clip_val: its per-layer clip "
+                              "would use the norms measured before Lightning clipped, and clip the gradients a "
+                              "second time; turn one off")
+        if g.config.clip_grad_norm is not None:
+            raise ConfigError("the GuardedOptimizer has clip_grad_norm and the Trainer gradient_clip_val: the "
+                              "gradients would be clipped twice; keep gradient_clip_val only")
+
+
+def _loader_resumes(trainer: Any) -> bool:
+    """Whether the fit's train dataloaders resume mid-epoch from a checkpoint (Lightning's own test: every
+    one has ``state_dict``/``load_state_dict``); ``False`` when that cannot be told."""
+    try:
+        from lightning.fabric.utilities.types import _Stateful
+
+        loaders = trainer.fit_loop._combined_loader.flattened
+        return bool(loaders) and all(isinstance(x, _Stateful) for x in loaders)
+    except Exception:  # another Lightning version: the common case, a plain DataLoader, does not resume
+        return False
 
 
 __all__ = ["StabilityGuardCallback"]
