@@ -343,6 +343,9 @@ def test_callback_state_round_trip(tmp_path):
     for bad in (None, [1], {"guard": 3}):
         with pytest.raises(ConfigError, match="not a StabilityGuardCallback state"):
             fresh.load_state_dict(bad)
+    for bad in ({"guard": {}}, {"guard": {"policy": {}}}):  # partial: a bare KeyError at train start before
+        with pytest.raises(ConfigError, match="guard is not a stabilityguard guard state"):
+            StabilityGuardCallback(log_dir=None, verbose=False).load_state_dict(bad)
 
 
 def test_fp16_grad_scaler_steps_go_through_the_guard(tmp_path):

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .._optional import require
+from ..checkpoint import check_guard_state
 from ..config import GuardConfig
 from ..errors import ConfigError
 from ..optimizer import GuardedOptimizer
@@ -656,6 +657,7 @@ class StabilityGuardCallback(TrainerCallback):
             raise ConfigError(f"not a StabilityGuardCallback state: {type(state_dict).__name__}")
         if "guard" not in state_dict:
             return
+        check_guard_state(state_dict["guard"], "the StabilityGuardCallback state's guard")
         if self.guard is not None:
             self._load_guard_state(state_dict["guard"])
         else:

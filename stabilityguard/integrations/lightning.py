@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .._optional import require
+from ..checkpoint import check_guard_state
 from ..config import GuardConfig
 from ..errors import ConfigError
 from ..optimizer import GuardedOptimizer
@@ -265,6 +266,8 @@ class StabilityGuardCallback(_pl.Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("guards", []), list):
             raise ConfigError(f"not a StabilityGuardCallback state: {type(state_dict).__name__}")
+        for i, st in enumerate(state_dict.get("guards", [])):
+            check_guard_state(st, f"the StabilityGuardCallback state's guard {i}")
         if self.guards:
             for g, st in zip(self.guards, state_dict.get("guards", [])):
                 g.load_guard_state_dict(st)
@@ -273,18 +276,19 @@ class StabilityGuardCallback(_pl.Callback):
 
 
 def _check_clipping(trainer: Any, guards: List[GuardedOptimizer]) -> None:
-    """With ``gradient_clip_val`` the guard measures before Lightning clips: a clip of its own would use those
-    (pre-clip) norms on gradients Lightning has clipped since, and clip them a second time."""
+    """With ``gradient_clip_val`` the guard measures before Lightning clips: a clip of its own would have only
+    those (pre-clip) norms for gradients Lightning has clipped since, so the guard leaves it out on that path
+    (see ``GuardedOptimizer.measure``); asking for both is refused here rather than silently halved."""
     if not getattr(trainer, "gradient_clip_val", None):
         return
     for g in guards:
         if g.config.enable_helene:
-            raise ConfigError("enable_helene does not work with Lightning's gradient_clip_val: its per-layer clip "
-                              "would use the norms measured before Lightning clipped, and clip the gradients a "
-                              "second time; turn one off")
+            raise ConfigError("enable_helene does not work with Lightning's gradient_clip_val: the guard measures "
+                              "before Lightning clips, so its per-layer clip would not be applied; turn one off")
         if g.config.clip_grad_norm is not None:
-            raise ConfigError("the GuardedOptimizer has clip_grad_norm and the Trainer gradient_clip_val: the "
-                              "gradients would be clipped twice; keep gradient_clip_val only")
+            raise ConfigError("the GuardedOptimizer has clip_grad_norm and the Trainer gradient_clip_val: Lightning "
+                              "clips after the guard measured, so the guard's clip would not be applied; keep "
+                              "gradient_clip_val only")
 
 
 def _loader_resumes(trainer: Any) -> bool:
