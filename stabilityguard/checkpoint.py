@@ -47,9 +47,11 @@ def guard_state(policy: Any, log: Any, features: Any, rollback: Any, collector: 
 
 def check_guard_state(state: Any, where: str = "the guard state") -> None:
     """Raise :class:`~stabilityguard.errors.ConfigError` when ``state`` cannot be :func:`guard_state` output
-    (of any format): not a dict, no ``policy`` (or format-1 ``detector``) dict, or baselines without their
-    names, values, counts and run counters as lists of one length. The message names ``where`` and what is
-    missing. Called before anything is loaded, so a corrupt or hand-edited state changes nothing.
+    (of any format): not a dict, no ``policy`` (or format-1 ``detector``) dict, baselines without their
+    names, values, counts and run counters as lists of one length, another part that is not a dict, or
+    counters that are not numbers. The message names ``where`` and what is wrong. Called before anything is
+    loaded; what it cannot see (a wrong value deep inside a part) fails in :func:`load_guard_state`, which
+    then puts the guard's state back as it was.
 
     Example:
         >>> check_guard_state({"policy": {}}, "trainer_state.json's stabilityguard entry")
@@ -76,13 +78,39 @@ def check_guard_state(state: Any, where: str = "the guard state") -> None:
     lists = [det[k] for k in ("names", "ema", "count", "consecutive")]
     if not all(isinstance(x, (list, tuple)) for x in lists) or len({len(x) for x in lists}) != 1:
         raise bad("its baselines' names, ema, count and consecutive are not lists of one length")
+    for key in PARTS:
+        if key in state and not isinstance(state[key], dict):
+            raise bad(f"its {key!r} is a {type(state[key]).__name__}, not a dict")
+    for key, value in (state.get("counters") or {}).items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise bad(f"its counter {key!r} is {value!r}, not a number")
+
+
+#: The parts of a guard state besides the policy; each is a dict when present.
+PARTS = ("counters", "recorder", "summary_window", "rollback", "pending_update", "spam", "calibration",
+         "edge_of_stability", "helene")
 
 
 def load_guard_state(state: Dict[str, Any], policy: Any, log: Any, features: Any, rollback: Any, collector: Any,
-                     track_update_size: bool) -> None:
-    """Hand :func:`guard_state` output back to the parts (baselines are matched by layer name); a state
-    that fails :func:`check_guard_state` is a ``ConfigError`` and changes nothing."""
-    check_guard_state(state)
+                     track_update_size: bool, where: str = "the guard state") -> None:
+    """Hand :func:`guard_state` output back to the parts (baselines are matched by layer name). A state
+    that fails :func:`check_guard_state`, or whose parts fail to load, is a ``ConfigError`` naming
+    ``where``, and the guard's state stays as it was."""
+    from .errors import ConfigError
+
+    check_guard_state(state, where)
+    parts = (policy, log, features, rollback, collector, track_update_size)
+    backup = guard_state(policy, log, features, rollback, collector)  # references: loading replaces, never mutates
+    try:
+        _load_parts(state, *parts)
+    except Exception as e:  # noqa: BLE001 - any malformed value: put the state back, say what failed
+        _load_parts(backup, *parts)
+        raise ConfigError(f"{where} could not be loaded ({type(e).__name__}: {e}); the guard's state is as it "
+                          "was") from e
+
+
+def _load_parts(state: Dict[str, Any], policy: Any, log: Any, features: Any, rollback: Any, collector: Any,
+                track_update_size: bool) -> None:
     policy_state = state["policy"] if "policy" in state else state["detector"]
     policy.load_state_dict(policy_state)
     det_state = policy_state.get("detector", policy_state)
@@ -130,9 +158,16 @@ def load_merged_state_dict(opt: torch.optim.Optimizer, base: torch.optim.Optimiz
             state_dict = result
     sd = dict(state_dict)
     guard = sd.pop(KEY, None)
+    before = None
     if guard is not None:  # before anything is loaded: a corrupt guard state leaves the optimizer as it was
         check_guard_state(guard, f"the optimizer state's {KEY!r} entry")
+        before = base.state_dict()  # references: a load replaces the state's tensors, it does not write them
     base.load_state_dict(sd)
-    loaded(guard)
+    try:
+        loaded(guard)
+    except Exception:
+        if before is not None:  # the guard's part failed to load (and put itself back): so does the optimizer
+            base.load_state_dict(before)
+        raise
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)

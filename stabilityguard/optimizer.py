@@ -396,7 +396,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint from :meth:`state_dict`, or a plain optimizer's (baselines start fresh)."""
-        load_merged_state_dict(self, self.base_optimizer, state_dict, self._loaded)
+        try:
+            load_merged_state_dict(self, self.base_optimizer, state_dict, self._loaded)
+        finally:
+            self._share_base()  # also after a failed load, which puts the wrapped optimizer's state back
 
     def _loaded(self, guard: Optional[Dict[str, Any]]) -> None:
         self._share_base()

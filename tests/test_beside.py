@@ -492,6 +492,12 @@ def test_a_joining_layer_whose_natural_level_is_far_above_its_first_gradient_is_
      "not lists of one length"),
     ({"policy": {"detector": "baselines"}}, "are a str"),
     ("state", "expected a dict"),
+    ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}, "counters": None},
+     "'counters' is a NoneType, not a dict"),
+    ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}, "recorder": "x"},
+     "'recorder' is a str"),
+    ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}, "counters": {"steps": "5"}},
+     "counter 'steps' is '5', not a number"),
 ])
 def test_a_corrupt_guard_state_is_a_clear_error_and_loads_nothing(bad, says):
     """A partial or hand-edited guard state (a checkpoint, a Trainer's trainer_state.json entry) failed
@@ -515,3 +521,38 @@ def test_a_corrupt_guard_state_is_a_clear_error_and_loads_nothing(bad, says):
     assert opt._policy.state_dict() == before[0]
     assert all(torch.equal(v, before[1][k]) for k, v in opt.state[m.weight].items())  # nothing loaded
     opt.load_state_dict(good)  # a good one still loads
+
+
+def test_a_guard_state_that_fails_deep_inside_puts_everything_back():
+    """What check_guard_state cannot see (a wrong value inside a part) failed half-way with an AttributeError
+    or ValueError: baselines and counters already loaded, and through load_state_dict the wrapped optimizer
+    too (an outside review). Now a ConfigError, and the guard and the optimizer are as they were."""
+    from stabilityguard.errors import ConfigError
+
+    m = nn.Linear(2, 1)
+
+    def trained(steps, loss):
+        guard = GuardedOptimizer(torch.optim.Adam(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
+                                 nan_action="rollback", rollback_interval=2)
+        for _ in range(steps):
+            m(torch.randn(4, 2)).sum().backward()
+            guard.step(loss=loss)
+            guard.zero_grad()
+        return guard
+
+    opt = trained(4, 1.0)
+    bad = trained(7, 2.0).state_dict()
+    bad["stabilityguard"]["summary_window"] = {"n": "many"}  # int("many"): a ValueError, after the baselines
+    before_guard = opt.guard_state_dict(tensors=False)
+    before_moments = {k: v.clone() for k, v in opt.state[m.weight].items()}
+    with pytest.raises(ConfigError, match="could not be loaded .*ValueError.*the guard's state is as it was"):
+        opt.load_state_dict(bad)
+    assert opt.guard_state_dict(tensors=False) == before_guard and opt.counters.steps == 4
+    assert all(torch.equal(v, before_moments[k]) for k, v in opt.state[m.weight].items())
+    assert opt.param_groups is opt.base_optimizer.param_groups  # shared again after the put-back load
+    with pytest.raises(ConfigError, match="could not be loaded"):
+        opt.load_guard_state_dict(bad["stabilityguard"])
+    assert opt.guard_state_dict(tensors=False) == before_guard
+    m(torch.randn(4, 2)).sum().backward()
+    opt.step(loss=1.0)  # and it still works
+    assert opt.counters.steps == 5

@@ -177,6 +177,16 @@ def test_a_save_asked_for_by_a_later_callback_carries_the_guard_state_of_that_st
     _assert_same_run(tmp_path, cb_full, full, cb_resumed, resumed)
 
 
+def test_with_save_only_model_a_later_callbacks_save_still_carries_that_steps_guard_state(tmp_path):
+    """save_only_model writes no optimizer.pt, so the state_dict pre-hook that takes the state at the save
+    never runs: the checkpoint held the previous save's state (step 15 at step 20; an outside review)."""
+    kw = {"args_kw": {"save_steps": 15, "save_only_model": True}, "stop_last": True}
+    _run(tmp_path / "split", tmp_path / "sg_split", stop_at=20, **kw)
+    assert not (tmp_path / "split" / "checkpoint-20" / "optimizer.pt").exists()
+    saved = json.loads((tmp_path / "split" / "checkpoint-20" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"][STATE_KEY]["guard"]["counters"]["steps"] == 20
+
+
 def test_refused_batches_are_recorded_with_their_data(tmp_path):
     model = tiny_gpt2()
     data = make_dataset(bad_samples={77: math.nan, 150: 1e4}, model=model)

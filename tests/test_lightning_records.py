@@ -234,6 +234,41 @@ def test_manual_optimization_with_two_optimizers_hands_each_its_loss(tmp_path):
     assert gb.counters.last_loss == pytest.approx(module.seen["b"][-1], rel=1e-6)
 
 
+class TwoOptimizersInterleaved(TwoOptimizers):
+    """Both backward passes before both steps: the losses cannot be told apart."""
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x = batch["x"].float()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        for layer in (self.a, self.b):
+            self.manual_backward(layer(x).pow(2).mean())
+        opt_a.step()
+        opt_b.step()
+
+
+def test_interleaved_manual_backwards_are_warned_about(tmp_path, caplog):
+    """The first optimizer to step gets the sum of both losses and the second none (an outside review): the
+    hook cannot tell which loss belongs to which optimizer; said once."""
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    with caplog.at_level("WARNING", logger="stabilityguard.integrations.lightning"):
+        trainer.fit(TwoOptimizersInterleaved(), torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    assert sum("an optimizer stepped without a loss" in r.getMessage() for r in caplog.records) == 1
+    assert cb.guards[1].counters.last_loss is None
+
+
+def test_one_optimizer_per_step_is_not_warned_about(tmp_path, caplog):
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    with caplog.at_level("WARNING", logger="stabilityguard.integrations.lightning"):
+        trainer.fit(TwoOptimizers(), torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    assert not any("an optimizer stepped without a loss" in r.getMessage() for r in caplog.records)
+
+
 def test_enable_helene_with_gradient_clip_val_is_refused_at_fit_start(tmp_path):
     """HELENE's per-layer clip has only the norms measured before Lightning clipped: it is not applied there."""
     cb = StabilityGuardCallback(log_dir=None, verbose=False, enable_helene=True)
@@ -277,6 +312,20 @@ def test_fp16_mixed_hands_the_guard_the_unscaled_loss(tmp_path, clip, accum):
     for step, losses in module.losses.items():
         assert summaries[step] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert cb.guard.counters.clipped == 0 and cb.guard.counters.spikes == 0
+
+
+def test_fp16_mixed_with_skip_refused_batches_is_refused(tmp_path):
+    """A recorded batch that overflows in fp16 never reaches the guard (the GradScaler skips the step), so the
+    skip asked for it fell on the next, good batch (an outside review); refused, as the HF callback does."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, skip_refused_batches=True)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb], plugins=[plugin],
+                         default_root_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="skip_refused_batches does not work with precision='16-mixed'"):
+        trainer.fit(Lit(), torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
 
 
 def test_the_step_loss_reaches_the_guard_with_accumulation_and_no_clipping(tmp_path):

@@ -57,6 +57,7 @@ def test_true_on_a_first_run_is_not_warned_about(tmp_path, caplog):
     '{"epoch": 0, "batch_index": 3, "framework": "lightning", "sample_indices": [[1, 2]]}',
     '[0, 3]',
     '{"epoch": 0, "batch_index": 3',
+    '[' * 100000 + ']' * 100000,  # deeper than json can read: RecursionError, not fatal either
 ])
 def test_a_corrupt_line_is_reported_and_not_used(tmp_path, caplog, line):
     path = tmp_path / RECORDS_FILE

@@ -126,7 +126,7 @@ def load_records(path: Union[str, "os.PathLike[str]"], framework: Optional[str] 
                 continue
             try:
                 rec = _checked(json.loads(line))
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested deeper than json can read
                 rec = None
             if rec is None:
                 bad.append(number)

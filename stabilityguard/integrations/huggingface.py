@@ -309,6 +309,8 @@ class StabilityGuardCallback(TrainerCallback):
         """Load the checkpoint's guard state: ``trainer_state.json``'s, or with a rollback snapshot the full
         one from ``optimizer.pt``; never over a user's guard that the Trainer already loaded from there."""
         assert self.guard is not None
+        where = Path(resume_path) / "trainer_state.json" if resume_path is not None else "trainer_state.json"
+        check_guard_state(saved, f"{where}'s stateful_callbacks[{STATE_KEY!r}]['guard']")
         steps = (saved.get("counters") or {}).get("steps")
         if users_guard and steps is not None and self.guard.counters.steps == steps:
             # The Trainer loaded optimizer.pt into the user's GuardedOptimizer: its full state, snapshot included.
@@ -335,7 +337,9 @@ class StabilityGuardCallback(TrainerCallback):
             except Exception:  # noqa: BLE001 - no such checkpoint: the JSON state it is
                 return None
         path = folder / "optimizer.pt"
-        if not path.is_file():
+        if not path.is_file():  # save_only_model, or a sharded optimizer state (FSDP: optimizer.bin, optimizer_0/)
+            logger.warning("stabilityguard: %s is not there (save_only_model, or a sharded optimizer state); the "
+                           "rollback snapshot is taken again from the resumed weights", path)
             return None
         try:
             try:
@@ -625,11 +629,13 @@ class StabilityGuardCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._micro += 1
         self._restore_clipping()
-        if control.should_save:
+        # With save_only_model no optimizer state is taken at a save (the pre-hook never runs): a callback
+        # after this one may still ask for the save, so the state of every step is put in place.
+        if control.should_save or getattr(args, "save_only_model", False):
             self._stash(state)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if control.should_save:
+        if control.should_save or getattr(args, "save_only_model", False):
             self._stash(state)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -95,8 +95,8 @@ class StabilityGuardCallback(_pl.Callback):
         if "clip_grad_norm" in guard_kwargs:
             raise ConfigError(
                 "StabilityGuardCallback does not take clip_grad_norm: set lightning.Trainer(gradient_clip_val=...) "
-                "instead (the guard measures before Lightning clips; a second clip by the guard, on the norms "
-                "measured before Lightning's, would clip the gradients twice)"
+                "instead (with it the guard measures before Lightning clips, and a clip of its own, which would "
+                "have only those pre-clip norms, is not applied)"
             )
         unknown = sorted(set(guard_kwargs) - set(GuardConfig.field_names()) - {"eos_probe"})
         if unknown:
@@ -119,6 +119,8 @@ class StabilityGuardCallback(_pl.Callback):
         self._window_step: Optional[int] = None  # trainer.global_step when that window began
         self._window_indices: List[Any] = []
         self._loss: Optional[torch.Tensor] = None
+        self._loss_taken = False  # a guard took a loss in this batch (manual optimization, several optimizers)
+        self._warned_interleaved = False
         self._offset: Optional[int] = None  # batch_idx - _offset: the batch's position in the epoch's data
 
     @property
@@ -148,6 +150,12 @@ class StabilityGuardCallback(_pl.Callback):
             guarded.append(opt)
         try:
             _check_clipping(trainer, guarded)
+            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+            if self._skip_file is not None and scaler is not None:
+                # a recorded batch that overflows in fp16 never reaches the guard (the scaler skips the step),
+                # so the skip asked for it would fall on the next, good batch
+                raise ConfigError("skip_refused_batches does not work with precision='16-mixed' and its GradScaler "
+                                  "(a step the scaler skips never reaches the guard); use bf16 or turn it off")
         except ConfigError:
             for g in created:
                 g.close()
@@ -180,6 +188,7 @@ class StabilityGuardCallback(_pl.Callback):
         self._offset = None  # set by the epoch's first batch
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._loss_taken = False
         if self._offset is None:
             # A fit resumed from a mid-epoch checkpoint starts at batch_idx k > 0, but a loader that cannot
             # resume (no state_dict/load_state_dict) starts again from its first batch: the data at batch_idx
@@ -225,6 +234,13 @@ class StabilityGuardCallback(_pl.Callback):
             self._loss = None
             return
         loss, self._loss = self._loss, None  # consumed: a second optimizer (manual optimization) gets its own
+        if loss is not None:
+            self._loss_taken = True
+        elif self._loss_taken and not self._warned_interleaved:
+            self._warned_interleaved = True
+            logger.warning("stabilityguard: an optimizer stepped without a loss after another took the losses of "
+                           "every manual_backward since the last optimizer step (manual optimization); call each "
+                           "optimizer's step() right after its own manual_backward for its guard to see its loss")
         if getattr(trainer, "gradient_clip_val", None):
             guard.measure(loss)  # before Lightning clips the gradients (outliers are then not scaled back)
         elif loss is not None:
