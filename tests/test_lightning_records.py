@@ -372,12 +372,14 @@ class ResumableLoader(torch.utils.data.DataLoader):
         self._start = state["yielded"]
 
 
-@pytest.mark.parametrize("resumable, index_key", [(False, None), (False, "idx"), (True, None)])
-def test_a_mid_epoch_resume_skips_the_recorded_data_not_the_recorded_batch_idx(tmp_path, resumable, index_key):
+@pytest.mark.parametrize("first, resumable, index_key", [(False, False, None), (False, False, "idx"),
+                                                       (True, True, None), (False, True, None)])
+def test_a_mid_epoch_resume_skips_the_recorded_data_not_the_recorded_batch_idx(tmp_path, first, resumable, index_key):
     """Resumed from a mid-epoch checkpoint (step 3), Lightning starts a plain DataLoader again from its first batch
     while batch_idx continues at 3: the bad data (position 5) comes at batch_idx 8. The record names the position.
-    A loader that resumes goes on at batch 3 (batch_idx = position)."""
-    def run(root, cb, ckpt_path=None, callbacks=()):
+    A loader that resumes goes on at batch 3 (batch_idx = position), if the checkpoint holds its state: one written
+    with a plain loader (``first=False``) holds none, and the loader starts again from its first batch too."""
+    def run(root, cb, ckpt_path=None, callbacks=(), resumable=resumable):
         module = BadSample()
         trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                              enable_model_summary=False, enable_checkpointing=bool(callbacks),
@@ -389,16 +391,17 @@ def test_a_mid_epoch_resume_skips_the_recorded_data_not_the_recorded_batch_idx(t
     ck = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_train_steps=3)
     crash = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, nan_action="raise", index_key=index_key)
     with pytest.raises(GradientSpikeError):
-        run(tmp_path / "a", crash, callbacks=[ck])
+        run(tmp_path / "a", crash, callbacks=[ck], resumable=first)
     (record,) = load_records(tmp_path / "sg" / "refused_batches.jsonl")
     assert (record["epoch"], record["batch_index"]) == (0, 5)
 
     cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False, nan_action="raise", index_key=index_key,
                                 skip_refused_batches=True)
     module = run(tmp_path / "b", cb, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt"))
-    at = 5 if resumable else 8  # the batch_idx of the recorded data in the resumed fit
-    # a plain loader started again: batch_idx 3 holds batch 0's data
-    assert module.batches[(0, 3)] == list(range(24, 32) if resumable else range(8))
+    resumed = first and resumable  # the loader went on where the checkpoint left it
+    at = 5 if resumed else 8  # the batch_idx of the recorded data in the resumed fit
+    # a loader started again: batch_idx 3 holds batch 0's data
+    assert module.batches[(0, 3)] == list(range(24, 32) if resumed else range(8))
     assert [(s["epoch"], s["batch_index"], s["global_step"]) for s in cb.skipped_batches] == [(0, 5, at)]
     assert 40 in module.batches[(0, at)]  # the skipped step held the recorded data
     assert cb.guard.counters.nonfinite == 0 and all(torch.isfinite(p).all() for p in module.parameters())

@@ -122,6 +122,7 @@ class StabilityGuardCallback(_pl.Callback):
         self._loss_taken = False  # a guard took a loss in this batch (manual optimization, several optimizers)
         self._warned_interleaved = False
         self._offset: Optional[int] = None  # batch_idx - _offset: the batch's position in the epoch's data
+        self._loader_states = False  # the restored checkpoint carried the dataloaders' states
 
     @property
     def guard(self) -> Optional[GuardedOptimizer]:
@@ -184,6 +185,15 @@ class StabilityGuardCallback(_pl.Callback):
                 return g
         return None
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._loader_states = False  # before a checkpoint is restored (on_load_checkpoint)
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        # Did the checkpoint carry the train dataloaders' states? A loader that could resume but finds none
+        # (a checkpoint written with another loader) starts again from its first batch like a plain one.
+        loop = (((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {})
+        self._loader_states = bool(loop.get("combined_loader"))
+
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._offset = None  # set by the epoch's first batch
 
@@ -193,7 +203,8 @@ class StabilityGuardCallback(_pl.Callback):
             # A fit resumed from a mid-epoch checkpoint starts at batch_idx k > 0, but a loader that cannot
             # resume (no state_dict/load_state_dict) starts again from its first batch: the data at batch_idx
             # k is the data of batch 0. Records name the batch's position in the epoch's data order.
-            self._offset = batch_idx if batch_idx > 0 and not _loader_resumes(trainer) else 0
+            resumes = self._loader_states and _loader_resumes(trainer)
+            self._offset = batch_idx if batch_idx > 0 and not resumes else 0
             if self._offset:
                 log = logger.warning if self._skip_file is not None else logger.info
                 log("stabilityguard: resumed in the middle of epoch %d with a dataloader that starts again from "
