@@ -13,6 +13,8 @@ flight recorder), ``summary_window``, one key per feature that is on (``spam``, 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from dataclasses import asdict
 from typing import Any, Callable, Dict, Optional
 
@@ -49,7 +51,8 @@ def check_guard_state(state: Any, where: str = "the guard state") -> None:
     """Raise :class:`~stabilityguard.errors.ConfigError` when ``state`` cannot be :func:`guard_state` output
     (of any format): not a dict, no ``policy`` (or format-1 ``detector``) dict, baselines without their
     names, values, counts and run counters as lists of one length, another part that is not a dict, or
-    counters that are not numbers. The message names ``where`` and what is wrong. Called before anything is
+    counters that are not integers >= 0 (``last_loss``: a finite number or None), or a format this version
+    does not read. The message names ``where`` and what is wrong. Called before anything is
     loaded; what it cannot see (a wrong value deep inside a part) fails in :func:`load_guard_state`, which
     then puts the guard's state back as it was.
 
@@ -81,9 +84,19 @@ def check_guard_state(state: Any, where: str = "the guard state") -> None:
     for key in PARTS:
         if key in state and not isinstance(state[key], dict):
             raise bad(f"its {key!r} is a {type(state[key]).__name__}, not a dict")
+    fmt = state.get("format", 1)
+    if isinstance(fmt, bool) or not isinstance(fmt, numbers.Integral) or not 1 <= fmt <= FORMAT:
+        raise bad(f"its format is {fmt!r}; this version reads formats 1 to {FORMAT}")
     for key, value in (state.get("counters") or {}).items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise bad(f"its counter {key!r} is {value!r}, not a number")
+        if key == "last_loss":
+            ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                                   and math.isfinite(value))
+            allowed = "a finite number or None"
+        else:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+            allowed = "an integer >= 0"
+        if not ok:
+            raise bad(f"its counter {key!r} is {value!r}, not {allowed}")
 
 
 #: The parts of a guard state besides the policy; each is a dict when present.
@@ -101,32 +114,46 @@ def load_guard_state(state: Dict[str, Any], policy: Any, log: Any, features: Any
     check_guard_state(state, where)
     parts = (policy, log, features, rollback, collector, track_update_size)
     backup = guard_state(policy, log, features, rollback, collector)  # references: loading replaces, never mutates
+    # What guard_state() leaves out but a load sets: learned thresholds, the pending update size as it is.
+    det = policy.detector
+    aside = (det.limits, det.suspended, collector.rider, collector.update_step)
+    part = ["policy"]  # the part being loaded, for the message
     try:
-        _load_parts(state, *parts)
+        _load_parts(state, *parts, part)
     except Exception as e:  # noqa: BLE001 - any malformed value: put the state back, say what failed
-        _load_parts(backup, *parts)
-        raise ConfigError(f"{where} could not be loaded ({type(e).__name__}: {e}); the guard's state is as it "
-                          "was") from e
+        _load_parts(backup, *parts, [])
+        det.limits, det.suspended, collector.rider, collector.update_step = aside
+        raise ConfigError(f"{where} could not be loaded: its {part[0]!r} part failed ({type(e).__name__}: {e}); "
+                          "the guard's state is as it was") from e
 
 
 def _load_parts(state: Dict[str, Any], policy: Any, log: Any, features: Any, rollback: Any, collector: Any,
-                track_update_size: bool) -> None:
+                track_update_size: bool, part: list) -> None:
+    def now(name: str) -> None:
+        part[:] = [name]
+
+    now("policy")
     policy_state = state["policy"] if "policy" in state else state["detector"]
     policy.load_state_dict(policy_state)
     det_state = policy_state.get("detector", policy_state)
     unknown = policy.detector.unknown_names(det_state)
     if unknown:
         logger.warning("stabilityguard: %d saved baselines match no layer here (e.g. %s)", len(unknown), unknown[0])
+    now("counters")
     for k, v in state.get("counters", {}).items():
-        if hasattr(log.counters, k):
-            setattr(log.counters, k, v)
+        if hasattr(log.counters, k):  # plain Python numbers (a numpy integer from a hand-made state, too)
+            setattr(log.counters, k, v if v is None else float(v) if k == "last_loss" else int(v))
+    now("recorder")
     if "recorder" in state:
         log.recorder.load_state_dict(state["recorder"])
+    now("summary_window")
     if "summary_window" in state:
         log.window.load_state_dict(state["summary_window"])
-    features.load_state_dict(state, policy.detector)
+    features.load_state_dict(state, policy.detector, now)
+    now("rollback")
     if rollback is not None:
         rollback.load_state_dict(state.get("rollback", {}), log.counters.steps)
+    now("pending_update")
     pending = state.get("pending_update")
     if pending is not None and track_update_size:
         collector.rider = torch.tensor(float(pending["sq"]))

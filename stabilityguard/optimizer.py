@@ -18,6 +18,7 @@ import torch
 from . import __version__
 from .actions import Containment
 from .arguments import call_closure, check_arguments, check_loss
+from .checkpoint import KEY as CHECKPOINT_KEY
 from .checkpoint import guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
 from .config import GuardConfig
 from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
@@ -383,10 +384,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return guard_state(self._policy, self._log, self._features, self._containment.rollback, self._collector,
                            tensors)
 
-    def load_guard_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`guard_state_dict` output (baselines are matched by layer name)."""
+    def load_guard_state_dict(self, state: Dict[str, Any], *, where: str = "the guard state") -> None:
+        """Restore :meth:`guard_state_dict` output (baselines are matched by layer name). A state that is
+        not one, or a part of it that fails to load, is a ``ConfigError`` naming ``where`` (the file or
+        entry it came from) and the part; the guard's state is then as it was."""
         load_guard_state(state, self._policy, self._log, self._features, self._containment.rollback, self._collector,
-                         self.config.track_update_size)
+                         self.config.track_update_size, where)
         self._containment.buffers.mark()  # the buffers as loaded are the state a refused step returns to
 
     def state_dict(self) -> Dict[str, Any]:
@@ -404,7 +407,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _loaded(self, guard: Optional[Dict[str, Any]]) -> None:
         self._share_base()
         if guard is not None:
-            self.load_guard_state_dict(guard)
+            self.load_guard_state_dict(guard, where=f"the optimizer state's {CHECKPOINT_KEY!r} entry")
             return
         logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
         self._containment.restart(self.counters.steps)

@@ -4,10 +4,12 @@ Each case was a bug found by an outside review; each test fails on the code befo
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -497,7 +499,17 @@ def test_a_joining_layer_whose_natural_level_is_far_above_its_first_gradient_is_
     ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}, "recorder": "x"},
      "'recorder' is a str"),
     ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}, "counters": {"steps": "5"}},
-     "counter 'steps' is '5', not a number"),
+     "counter 'steps' is '5', not an integer >= 0"),
+    # A counter that loaded and broke the next step (None + 1), or made step numbers floats or NaN:
+    *[({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}, "counters": {"steps": v}},
+       f"counter 'steps' is {v!r}, not an integer >= 0".replace("(", r"\(").replace(")", r"\)"))
+      for v in (None, 5.0, math.nan, True, -1, torch.tensor(5))],
+    ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}},
+      "counters": {"last_loss": math.inf}}, "counter 'last_loss' is inf, not a finite number or None"),
+    ({"format": 99, "policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}},
+     "its format is 99; this version reads formats 1 to 2"),
+    ({"format": "2", "policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}},
+     "its format is '2'"),
 ])
 def test_a_corrupt_guard_state_is_a_clear_error_and_loads_nothing(bad, says):
     """A partial or hand-edited guard state (a checkpoint, a Trainer's trainer_state.json entry) failed
@@ -545,7 +557,7 @@ def test_a_guard_state_that_fails_deep_inside_puts_everything_back():
     bad["stabilityguard"]["summary_window"] = {"n": "many"}  # int("many"): a ValueError, after the baselines
     before_guard = opt.guard_state_dict(tensors=False)
     before_moments = {k: v.clone() for k, v in opt.state[m.weight].items()}
-    with pytest.raises(ConfigError, match="could not be loaded .*ValueError.*the guard's state is as it was"):
+    with pytest.raises(ConfigError, match="entry could not be loaded: its 'summary_window' part failed .*ValueError.*the guard's state is as it was"):
         opt.load_state_dict(bad)
     assert opt.guard_state_dict(tensors=False) == before_guard and opt.counters.steps == 4
     assert all(torch.equal(v, before_moments[k]) for k, v in opt.state[m.weight].items())
@@ -556,3 +568,56 @@ def test_a_guard_state_that_fails_deep_inside_puts_everything_back():
     m(torch.randn(4, 2)).sum().backward()
     opt.step(loss=1.0)  # and it still works
     assert opt.counters.steps == 5
+
+
+def test_numpy_counters_load_as_python_numbers():
+    m = nn.Linear(2, 1)
+    opt = GuardedOptimizer(torch.optim.Adam(m.parameters(), lr=0.1), m, log_dir=None, verbose=False)
+    state = opt.guard_state_dict()
+    state["counters"].update(steps=np.int64(5), accepted=np.uint8(5), last_loss=np.float32(0.5))
+    opt.load_guard_state_dict(state)
+    c = opt.counters
+    assert (c.steps, c.accepted, c.last_loss) == (5, 5, 0.5)
+    assert type(c.steps) is int and type(c.accepted) is int and type(c.last_loss) is float
+    m(torch.randn(4, 2)).sum().backward()
+    opt.step(loss=1.0)
+    assert opt.counters.steps == 6
+    json.dumps(opt.guard_state_dict(tensors=False))  # still JSON-native
+
+
+@pytest.mark.parametrize("part, corrupt", [
+    ("rollback", lambda st: st["rollback"]["tensors"].update({k: "x" for k in st["rollback"]["tensors"]})),
+    ("pending_update", lambda st: st.update(pending_update={"sq": 4.0, "step": "x"})),
+    ("recorder", lambda st: st["recorder"].update(rows=5)),
+    ("calibration", lambda st: st["calibration"].update(thresholds="x")),
+])
+def test_a_failed_load_names_its_part_and_puts_back_what_guard_state_leaves_out(part, corrupt):
+    """A failed load put back what guard_state_dict() holds, but not what a load sets beside it: the learned
+    thresholds of auto-calibration (a guard still warming up left detecting with the other run's limits)
+    or the pending update size (an outside review). The message names the failing part and the source."""
+    from stabilityguard.errors import ConfigError
+
+    def guard(steps):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        opt = GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), m, log_dir=None, verbose=False,
+                               enable_auto_calibration=True, auto_calibration_warmup_steps=3, warmup_steps=1,
+                               nan_action="rollback", track_update_size=True)
+        for _ in range(steps):
+            loss = m(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+        return opt
+
+    source = guard(12)
+    assert source._features.calibrator.calibrated
+    state = source.guard_state_dict()
+    state.setdefault("pending_update", {"sq": 4.0, "step": 12})
+    corrupt(state)
+    target = guard(1)
+    det, col = target._detector, target._collector
+    before = (det.limits, det.suspended, col.rider, col.update_step, target.guard_state_dict(tensors=False))
+    with pytest.raises(ConfigError, match=f"^checkpoint X could not be loaded: its '{part}' part failed .*as it was"):
+        target.load_guard_state_dict(state, where="checkpoint X")
+    assert (det.limits, det.suspended, col.rider, col.update_step, target.guard_state_dict(tensors=False)) == before

@@ -253,6 +253,64 @@ def test_a_second_callback_on_the_same_model_replaces_the_hooks_of_a_crashed_one
     assert len(model._forward_hooks) == 0 and len(model._forward_pre_hooks) == 0  # removed at train end
 
 
+class MaxGradNormSeen(transformers.TrainerCallback):
+    """Records args.max_grad_norm at on_pre_optimizer_step (listed before the guard's callback: 0.0 means the
+    Trainer did not clip before the guard measured) and can raise there."""
+
+    def __init__(self, raise_at=None):
+        self.seen, self.raise_at = [], raise_at
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.seen.append(args.max_grad_norm)
+        if state.global_step == self.raise_at:
+            raise KeyboardInterrupt  # after the last backward, before the guard's callback restores clipping
+
+
+def test_hooks_a_crashed_run_left_on_the_model_leave_a_later_trainers_clipping_alone(tmp_path):
+    """After GradientSpikeError the old callback's hooks stay on the model (on_train_end never ran): a later
+    Trainer without the callback, on the same model and args, still clips every step, and the old guard and
+    its step state see nothing of it; nor does a forward/backward of the user's own."""
+    model = tiny_gpt2()
+    model.step_faults = {3: math.nan}
+    args = training_args(str(tmp_path / "a"), steps=8)
+    old = StabilityGuardCallback(log_dir=None, verbose=False, nan_action="raise")
+    with pytest.raises(GradientSpikeError):
+        transformers.Trainer(model=model, args=args, train_dataset=make_dataset(64, model=model),
+                             callbacks=[StepTracker(model), old]).train()
+    assert len(model._forward_hooks) == 1 and args.max_grad_norm == 1.0
+    model.step_faults = {}
+    left = (old._loss_backward, old._loss_sum, old._loss_n, len(old._step_indices))  # from the crashed step
+    own = model(input_ids=torch.zeros(2, 8, dtype=torch.long), labels=torch.zeros(2, 8, dtype=torch.long))
+    own.loss.backward()  # the user's own step in train mode
+    model.zero_grad()
+    assert args.max_grad_norm == 1.0
+    seen = MaxGradNormSeen()
+    transformers.Trainer(model=model, args=args, train_dataset=make_dataset(64, model=model),
+                         callbacks=[StepTracker(model), seen]).train()
+    assert seen.seen == [1.0] * 8 and args.max_grad_norm == 1.0
+    assert old.guard.counters.steps == 4
+    assert (old._loss_backward, old._loss_sum, old._loss_n, len(old._step_indices)) == left  # nothing collected
+
+
+def test_an_error_between_backward_and_the_optimizer_step_is_healed_by_the_next_train(tmp_path):
+    """An interrupt after the step's backward (clipping handed to the guard) and before the guard's
+    on_pre_optimizer_step leaves args.max_grad_norm at 0; the next train() of the same Trainer puts it back
+    first, so the guard clips to 1.0 again and still measures before any clipping."""
+    model = tiny_gpt2()
+    args = training_args(str(tmp_path / "a"), steps=6)
+    seen = MaxGradNormSeen(raise_at=3)
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=make_dataset(64, model=model),
+                                   callbacks=[seen, cb])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert args.max_grad_norm == 0.0 and seen.seen == [0.0] * 4  # the window the docs name
+    seen.raise_at, seen.seen = None, []
+    trainer.train()
+    assert cb.guard.config.clip_grad_norm == 1.0 and args.max_grad_norm == 1.0
+    assert seen.seen == [0.0] * 6  # every step measured before clipping, then clipped by the guard
+
+
 class EngineLikeOptimizer:
     """Looks like a DeepSpeed engine's optimizer to the Trainer: steps, but is no torch Optimizer."""
 

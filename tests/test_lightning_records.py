@@ -234,6 +234,73 @@ def test_manual_optimization_with_two_optimizers_hands_each_its_loss(tmp_path):
     assert gb.counters.last_loss == pytest.approx(module.seen["b"][-1], rel=1e-6)
 
 
+class TwoOptimizersBadB(TwoOptimizers):
+    """Only optimizer b's loss is NaN at batch_idx ``bad``."""
+
+    def __init__(self, bad=None):
+        super().__init__()
+        self.bad = bad
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x = batch["x"].float()
+        for name, layer, opt in (("a", self.a, opt_a), ("b", self.b, opt_b)):
+            loss = layer(x).pow(2).mean()
+            if name == "b" and batch_idx == self.bad:
+                loss = loss * math.nan
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+
+def _fit_two(cb, module):
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(module, torch.utils.data.DataLoader(IndexedData(), batch_size=BATCH))
+    return trainer
+
+
+def test_two_optimizers_metrics_sum_both_guards_and_a_recorded_batch_is_skipped_once_for_both(tmp_path):
+    """Before: sg/* came from the first guard only (b's NaN never reached the tracker), and the resumed fit
+    listed the recorded batch once per optimizer (an outside review). A recorded batch is bad data: every
+    optimizer's step on it is discarded, the batch listed and counted once."""
+    cb = StabilityGuardCallback(log_dir=tmp_path / "sg", verbose=False)
+    trainer = _fit_two(cb, TwoOptimizersBadB(bad=5))
+    assert [g.counters.nonfinite for g in cb.guards] == [0, 1]
+    assert float(trainer.callback_metrics["sg/nonfinite_total"]) == 1.0
+    (record,) = load_records(tmp_path / "sg" / "refused_batches.jsonl")
+    assert (record["epoch"], record["batch_index"]) == (0, 5)
+
+    again = StabilityGuardCallback(log_dir=tmp_path / "sg2", verbose=False,
+                                   skip_refused_batches=tmp_path / "sg" / "refused_batches.jsonl")
+    trainer = _fit_two(again, TwoOptimizersBadB())
+    assert [g.counters.skipped for g in again.guards] == [1, 1]
+    assert [(s["epoch"], s["batch_index"]) for s in again.skipped_batches] == [(0, 5)]
+    assert float(trainer.callback_metrics["sg/skipped_recorded_total"]) == 1.0
+    assert float(trainer.callback_metrics["sg/skipped_total"]) == 2.0
+
+
+def test_a_callback_state_loads_into_every_guard_or_none(tmp_path):
+    """Guards loaded one after another: guard 0 stayed loaded when guard 1 failed, and a state with fewer
+    guards than optimizers was silently cut short (an outside review)."""
+    cb = StabilityGuardCallback(log_dir=None, verbose=False)
+    _fit_two(cb, TwoOptimizers())
+    other = StabilityGuardCallback(log_dir=None, verbose=False, spike_threshold=20.0)
+    _fit_two(other, TwoOptimizersBadB(bad=3))
+    state = other.state_dict()
+    state["guards"][0]["counters"]["steps"] = 99  # optimizer a's run did not differ from cb's: make it
+    before = [g.guard_state_dict(tensors=False) for g in cb.guards]
+    assert state["guards"][0] != before[0]
+    bad = {"guards": [state["guards"][0], dict(state["guards"][1], summary_window={"n": "many"})]}
+    with pytest.raises(ConfigError, match="guard 1 could not be loaded: its 'summary_window' part failed"):
+        cb.load_state_dict(bad)
+    assert [g.guard_state_dict(tensors=False) for g in cb.guards] == before
+    with pytest.raises(ConfigError, match=r"holds 1 guard state\(s\) but this fit has 2 guarded optimizer"):
+        cb.load_state_dict({"guards": state["guards"][:1]})
+    cb.load_state_dict(state)
+    assert [g.guard_state_dict(tensors=False) for g in cb.guards] == state["guards"]
+
+
 class TwoOptimizersInterleaved(TwoOptimizers):
     """Both backward passes before both steps: the losses cannot be told apart."""
 

@@ -145,10 +145,14 @@ class Features:
         """The state of each feature that is on, under its key."""
         return {key: part.state_dict() for key, part in self._parts() if part is not None}
 
-    def load_state_dict(self, state: Dict[str, Any], detector: Any) -> None:
-        """Restore the features found in ``state``; learned thresholds take effect at once."""
+    def load_state_dict(self, state: Dict[str, Any], detector: Any,
+                        loading: Optional[Callable[[str], None]] = None) -> None:
+        """Restore the features found in ``state``; learned thresholds take effect at once. ``loading`` is
+        told each feature's key before it loads (for an error message)."""
         for key, part in self._parts():
             if part is not None and key in state:
+                if loading is not None:
+                    loading(key)
                 part.load_state_dict(state[key])
         if self.calibrator is not None and self.calibrator.calibrated:
             detector.limits = self.calibrator.thresholds

@@ -104,6 +104,18 @@ def _calling_trainer() -> Tuple[Any, Any]:
     return None, None
 
 
+def _called_by(obj: Any, depth: int = 32) -> bool:
+    """Is a method of ``obj`` on the call stack (within ``depth`` frames above the caller's caller)?"""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_locals.get("self") is obj:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _BackwardCapture:
     """Hands every loss the Trainer passes to ``accelerator.backward`` to ``sink`` (a bound method, held
     weakly), by an instance attribute on the accelerator that :meth:`remove` takes off again. An earlier
@@ -259,11 +271,16 @@ class StabilityGuardCallback(TrainerCallback):
         self._capture: Optional[_BackwardCapture] = None
         self._save_hook: Any = None
         self._warned_no_loss = False
+        self._in_step = False  # between on_step_begin and on_pre_optimizer_step of this callback's Trainer
+        self._trainer: Any = None  # weakref to that Trainer (None: not found at train start)
 
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, **kw: Any) -> None:
         trainer, resume_path = _calling_trainer()
+        self._restore_clipping()  # an earlier train() that ended with an exception may have left it at 0
+        self._in_step = False
+        self._trainer = None if trainer is None else weakref.ref(trainer)
         holder, inner = self._find_optimizer(optimizer)
         if self._skip_file is not None and getattr(holder, "scaler", None) is not None:
             raise ConfigError("skip_refused_batches does not work with fp16 and a GradScaler (it discards the "
@@ -518,6 +535,7 @@ class StabilityGuardCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._reset_step()
+        self._in_step = True
         self._step_batch_index = self._micro if self._len_dataloader else None
         self._armed_this_step = False
 
@@ -525,7 +543,13 @@ class StabilityGuardCallback(TrainerCallback):
         self._micro += 1
 
     def _training_forward(self, module: torch.nn.Module) -> bool:
-        return self.guard is not None and module.training and torch.is_grad_enabled()
+        """A forward of this callback's Trainer's training step: not evaluation, not a forward of the
+        Trainer's callbacks between steps, and not a user's own loop after a train() that ended with an
+        exception (and left these hooks on the model)."""
+        if not (self._in_step and self.guard is not None and module.training and torch.is_grad_enabled()):
+            return False
+        trainer = self._trainer() if self._trainer is not None else None
+        return self._trainer is None or (trainer is not None and _called_by(trainer))
 
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         key = self.index_key
@@ -589,6 +613,7 @@ class StabilityGuardCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._restore_clipping()
+        self._in_step = False
         if self.guard is None:
             return
         if self._clip is not None and not self._armed_this_step and not self._warned_unarmed:
@@ -693,6 +718,7 @@ class StabilityGuardCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._restore_clipping()
+        self._in_step = False
         self._remove_hooks()
         self._remove_capture()
         self._remove_save_hook()

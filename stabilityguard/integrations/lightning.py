@@ -164,9 +164,8 @@ class StabilityGuardCallback(_pl.Callback):
         trainer.strategy.optimizers = guarded
         self.guards = guarded
         if self._pending_state is not None:
-            for g, st in zip(self.guards, self._pending_state.get("guards", [])):
-                g.load_guard_state_dict(st)
-            self._pending_state = None
+            pending, self._pending_state = self._pending_state, None
+            self._load_guards(pending.get("guards", []))
         path = None if self._log_dir is None else Path(self._log_dir) / RECORDS_FILE
         self.recorders = []
         for g in self.guards:
@@ -237,10 +236,15 @@ class StabilityGuardCallback(_pl.Callback):
         if self._skip and matches(self._skip, (trainer.current_epoch, self._window_start),
                                   guard.rank,
                                   lambda: self._record_context()["sample_indices"]):
-            self.skipped_batches.append({"epoch": trainer.current_epoch, "batch_index": self._window_start,
-                                         "global_step": trainer.global_step, "step": guard.counters.steps})
-            logger.warning("stabilityguard: skipping recorded step (epoch %d, batch %s): its gradients are "
-                           "discarded before the optimizer step", trainer.current_epoch, self._window_start)
+            # A recorded batch is bad data for every optimizer: each one's step on it is discarded, and the
+            # batch is listed (and counted) once.
+            entry = {"epoch": trainer.current_epoch, "batch_index": self._window_start,
+                     "global_step": trainer.global_step, "step": guard.counters.steps}
+            last = self.skipped_batches[-1] if self.skipped_batches else None
+            if last is None or (last["epoch"], last["batch_index"]) != (entry["epoch"], entry["batch_index"]):
+                self.skipped_batches.append(entry)
+                logger.warning("stabilityguard: skipping recorded step (epoch %d, batch %s): its gradients are "
+                               "discarded before the optimizer step", trainer.current_epoch, self._window_start)
             guard.skip_next_step("recorded_batch")  # discarded, counted as skipped, an action record
             self._loss = None
             return
@@ -267,10 +271,12 @@ class StabilityGuardCallback(_pl.Callback):
         }
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        g = self.guard
-        if g is None:
+        if not self.guards:
             return
-        m = counters_metrics(g)
+        m: Dict[str, float] = {}
+        for g in self.guards:  # several optimizers: their totals summed (the event log tells them apart)
+            for k, v in counters_metrics(g).items():
+                m[k] = m.get(k, 0.0) + v
         if self._skip_file is not None:
             m["sg/skipped_recorded_total"] = float(len(self.skipped_batches))
         pl_module.log_dict(m, on_step=True, on_epoch=False, prog_bar=False, logger=True)
@@ -296,10 +302,29 @@ class StabilityGuardCallback(_pl.Callback):
         for i, st in enumerate(state_dict.get("guards", [])):
             check_guard_state(st, f"the StabilityGuardCallback state's guard {i}")
         if self.guards:
-            for g, st in zip(self.guards, state_dict.get("guards", [])):
-                g.load_guard_state_dict(st)
+            self._load_guards(state_dict.get("guards", []))
         else:
             self._pending_state = dict(state_dict)
+
+    def _load_guards(self, states: List[Dict[str, Any]]) -> None:
+        """One state per optimizer, all or nothing: a guard that fails to load puts back those loaded before it."""
+        if not states:
+            logger.warning("stabilityguard: the checkpoint's StabilityGuardCallback state holds no guard state; "
+                           "baselines warm up again")
+            return
+        if len(states) != len(self.guards):
+            raise ConfigError(f"the StabilityGuardCallback state holds {len(states)} guard state(s) but this fit has "
+                              f"{len(self.guards)} guarded optimizer(s); a checkpoint resumes the same optimizers")
+        loaded: List[Tuple[GuardedOptimizer, Dict[str, Any]]] = []
+        try:
+            for i, (g, st) in enumerate(zip(self.guards, states)):
+                before = g.guard_state_dict()
+                g.load_guard_state_dict(st, where=f"the StabilityGuardCallback state's guard {i}")
+                loaded.append((g, before))
+        except ConfigError:
+            for g, before in loaded:
+                g.load_guard_state_dict(before)
+            raise
 
 
 def _check_clipping(trainer: Any, guards: List[GuardedOptimizer]) -> None:
