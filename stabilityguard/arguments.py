@@ -47,7 +47,15 @@ def check_arguments(base_opt: Any, model: Any, config: Optional[GuardConfig], se
         config = GuardConfig(**settings)
     elif not isinstance(config, GuardConfig):
         raise ConfigError(f"config must be a GuardConfig or None; got {type(config).__name__}")
-    extra = list(sinks) if sinks is not None else []
+    elif settings:
+        raise ConfigError(f"pass either config= or keyword settings, not both (got config and "
+                          f"{', '.join(sorted(settings))}); use dataclasses.replace(config, ...) to change a config")
+    if sinks is not None and callable(getattr(sinks, "emit", None)):
+        raise ConfigError(f"sinks must be a list of sinks; got a single {type(sinks).__name__} (pass sinks=[...])")
+    try:
+        extra = list(sinks) if sinks is not None else []
+    except TypeError:
+        raise ConfigError(f"sinks must be a list of sinks or None; got {type(sinks).__name__}") from None
     for s in extra:
         if not callable(getattr(s, "emit", None)):
             raise ConfigError(

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from .errors import MissingDependencyError
 
@@ -32,8 +33,9 @@ def _load(path: str, run_id: Optional[str] = None):
     p = Path(path)
     if not p.exists():
         raise _Exit(EXIT_USAGE, f"error: {path}: no such file or directory")
-    runs = load_runs(p)
-    _print_problems(runs)
+    problems: list = []
+    runs = load_runs(p, problems_out=problems)
+    _print_problems(problems)
     if not runs:
         raise _Exit(EXIT_EMPTY, f"error: {path}: no stabilityguard events found (events-*.jsonl or spike_step*.json)")
     if run_id is not None:
@@ -43,9 +45,8 @@ def _load(path: str, run_id: Optional[str] = None):
     return list(runs.values())[-1], runs
 
 
-def _print_problems(runs: dict) -> None:
+def _print_problems(problems: list) -> None:
     """List (on stderr) the lines of the logs that could not be used: file, line, what was wrong."""
-    problems = next(iter(runs.values())).problems if runs else []
     if not problems:
         return
     _echo(f"warning: {len(problems)} log problem(s); the report is made from the rest:", file=sys.stderr)
@@ -85,7 +86,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
             "problems": [str(p) for p in run.problems],
         }
         path = out / "report.json"
-        path.write_text(json.dumps(data, indent=2, allow_nan=False), encoding="utf-8")
+        path.write_text(json.dumps(_strict_json(data), indent=2, allow_nan=False), encoding="utf-8")
         written = [path]
     else:
         written = []
@@ -104,13 +105,24 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float as ``None``: strict JSON (NaN/Infinity are not JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def _cmd_summary(args: argparse.Namespace) -> int:
     from .reports import run_summary
 
     run, _ = _load(args.logdir, args.run)
     s = run_summary(run)
     if args.json:
-        _echo(json.dumps(s, indent=2))
+        _echo(json.dumps(_strict_json(s), indent=2, allow_nan=False))
         return 0
     def pct(x):
         return "n/a (too few values)" if x is None else f"{x:.2%}"
@@ -146,7 +158,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for d in args.logdirs:
         run, _ = _load(d)
         name = Path(d).name or d
-        runs[name if name not in runs else f"{name}-{run.run_id}"] = run
+        key, n = name, 1
+        while key in runs:  # the same folder name twice (a/sg_logs b/sg_logs): each run keeps a row
+            key = f"{name}-{run.run_id}" if n == 1 else f"{name}-{run.run_id}-{n}"
+            n += 1
+        runs[key] = run
     table = compare_table(runs)
     _echo(table.to_markdown() if _has_tabulate() else table.to_string())
     if args.output:

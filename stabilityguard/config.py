@@ -262,6 +262,9 @@ class GuardConfig:
                 f"got {self.nan_action!r}"
             )
         _check_int("log_every", self.log_every, low=1)
+        if self.log_dir == "":
+            raise ConfigError("log_dir must be a directory path or None (no log); got '' (use '.' for the "
+                              "current directory)")
         if self.log_dir is not None and not isinstance(self.log_dir, (str, Path)):
             raise ConfigError(
                 f"log_dir must be a path (str or pathlib.Path) or None; got {self.log_dir!r}"
@@ -297,12 +300,18 @@ class GuardConfig:
         try:
             import torch
 
-            torch.device(self.snapshot_device)
+            device = torch.device(self.snapshot_device)
         except (RuntimeError, ValueError) as exc:
             raise ConfigError(
                 f"snapshot_device must be a device string such as 'cpu' or 'cuda:0'; "
                 f"got {self.snapshot_device!r}"
             ) from exc
+        if device.type == "meta":  # holds no data: the first rollback would fail
+            raise ConfigError(f"snapshot_device must be a device that holds data ('cpu', 'cuda:0', ...); "
+                              f"got {self.snapshot_device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"snapshot_device {self.snapshot_device!r} is not available here (no CUDA device); "
+                              "use 'cpu' or None (the parameters' own device)")
         _check_number("clip_grad_norm", self.clip_grad_norm, low=0.0, low_inclusive=False, none_ok=True)
         if not isinstance(self.enable_spam, bool):
             raise ConfigError(f"enable_spam must be True or False; got {self.enable_spam!r}")
@@ -358,7 +367,7 @@ class GuardConfig:
         return tuple(f.name for f in fields(cls))
 
 
-def _native(value: Any) -> Any:
+def native(value: Any) -> Any:
     """A numpy or tensor scalar, or any other number type, as the plain Python value it holds (``bool``,
     ``int``, ``float``, ``str``); anything else unchanged (the checks then refuse it)."""
     if type(value) in (bool, int, float, str) or value is None:
@@ -377,6 +386,9 @@ def _native(value: Any) -> Any:
     if isinstance(value, str):
         return str.__str__(value)  # a str subclass's own text: a (str, Enum) member gives its value
     return value
+
+
+_native = native
 
 
 def _coerce_native(cfg: Any) -> None:

@@ -54,7 +54,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         base_opt: The optimizer to guard (not LBFGS, whose step re-evaluates the closure many times).
         model: The model, used to name parameters and layers and to restore its buffers (optional:
             without it parameters are named ``param_groups.G.I`` and no buffer is restored).
-        config: A complete :class:`GuardConfig`; when given, the keyword settings are not used.
+        config: A complete :class:`GuardConfig` (then no keyword settings: both is a ``ConfigError``).
         eos_probe: Callable returning the loss on a fixed probe batch, for the edge-of-stability check.
         sinks: Extra sinks (e.g. ``WandBBridge()``), added after the built-in ones.
         **settings: Any :class:`GuardConfig` field, e.g. ``spike_threshold=10.0``, ``nan_action="skip"``

@@ -25,6 +25,8 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
         ({"level_shift_patience": 1}, r"level_shift_patience must be an integer >= 2; got 1"),  # refuses nothing
         ({"rollback_interval": 0}, r"rollback_interval must be an integer >= 1; got 0"),
         ({"snapshot_device": "gpu0"}, r"snapshot_device must be a device string .*got 'gpu0'"),
+        ({"snapshot_device": "meta"}, r"snapshot_device must be a device that holds data .*got 'meta'"),
+        ({"log_dir": ""}, r"log_dir must be a directory path or None \(no log\); got ''"),
         ({"log_dir": 3}, r"log_dir must be a path .*got 3"),
         ({"run_id": ""}, r"run_id must be a non-empty string or None; got ''"),
         ({"clip_grad_norm": 0.0}, r"clip_grad_norm must be a finite number > 0 or None; got 0.0"),
@@ -48,6 +50,32 @@ def test_bad_sink_is_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="sinks must be objects with an emit"):
         GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sinks=[object()], log_dir=None)
+
+
+def test_a_single_sink_or_a_non_list_is_refused_by_name(tmp_path):
+    from stabilityguard import JsonlSink
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"sinks must be a list of sinks; got a single JsonlSink \(pass sinks=\[...\]\)"):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sinks=JsonlSink(tmp_path), log_dir=None)
+    with pytest.raises(ConfigError, match="sinks must be a list of sinks or None; got int"):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sinks=3, log_dir=None)
+
+
+def test_config_and_keyword_settings_together_are_refused():
+    """The keyword settings were dropped without a word (a user asking for rollback got skip)."""
+    model = torch.nn.Linear(2, 2)
+    cfg = GuardConfig(log_dir=None, verbose=False)
+    with pytest.raises(ConfigError, match="either config= or keyword settings, not both .*nan_action, spike_threshold"):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config=cfg, nan_action="rollback",
+                         spike_threshold=5.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_a_cuda_snapshot_device_without_cuda_is_a_config_error():
+    """It was an AssertionError from torch's CUDA init at construction, naming no argument."""
+    with pytest.raises(ConfigError, match="snapshot_device 'cuda:0' is not available here"):
+        GuardConfig(snapshot_device="cuda:0")
 
 
 def test_defaults_match_the_design():

@@ -7,6 +7,7 @@ import logging
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("mlflow")
 
@@ -158,3 +159,19 @@ def test_bridge_arguments_are_validated(tmp_path):
     with pytest.raises(ConfigError, match=r"max_layer_metrics must be an integer >= 0; got 'all'"):
         MLflowBridge(f"sqlite:///{tmp_path}/m.db", max_layer_metrics="all")
     assert not (tmp_path / "m.db").exists()  # refused before connecting
+
+
+def test_bridge_takes_numpy_and_tensor_numbers(tmp_path):
+    """np.int64(5) and torch.tensor(5) were refused ("must be an integer >= 0; got np.int64(5)") while
+    GuardConfig takes them."""
+    import numpy as np
+
+    from stabilityguard.integrations.mlflow import MLflowBridge
+
+    bridge = MLflowBridge(f"sqlite:///{tmp_path}/m.db", max_layer_metrics=np.int64(5),
+                          close_timeout=torch.tensor(2.0), connect_timeout=np.float32(3.0))
+    try:
+        assert (bridge.max_layer_metrics, bridge.close_timeout) == (5, 2.0)
+        assert type(bridge.max_layer_metrics) is int
+    finally:
+        bridge.close()

@@ -339,3 +339,130 @@ def test_cli_lists_problems_with_file_and_line_and_never_tracebacks(tmp_path, ca
     assert cli_main(["report", str(tmp_path / "logs"), "-o", str(blocker / "out")]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err
+
+
+# --- an outside hunt (2026-12-01): one step beside the reports' tested path -------------------------------
+
+def test_a_spike_report_of_no_started_run_is_never_the_latest_run(tmp_path, capsys):
+    """A spike report left from an older run whose log was deleted (no run_start here) sorted as started at
+    infinity: `report DIR` reported it instead of the real run."""
+    d = tmp_path / "logs"
+    write(d, golden_lines(), name="events-golden-run.jsonl")
+    (d / "spike_step5.json").write_text(json.dumps({"schema_version": "1.0", "run_id": "old-run", "time": 1.0,
+                                                    "rank": 0, "snapshot": {"step": 5, "spike_layer": "x",
+                                                                            "spike_ratio": 20.0, "action": "skip"}}))
+    runs = load_runs(d)
+    assert set(runs) == {"golden-run", "old-run"} and load_run(d).run_id == "golden-run"
+    assert cli_main(["report", str(d), "--no-plots", "-o", str(tmp_path / "rep")]) == 0
+    assert "report of run golden-run" in capsys.readouterr().out
+
+
+def test_a_non_finite_final_loss_is_a_problem_and_json_outputs_stay_strict(tmp_path, capsys):
+    """An edited run_end with final_loss Infinity was read as is: `report --format json` then died (exit 6)
+    and `summary --json` printed Infinity, which is not JSON."""
+    recs = golden_lines()
+    end = next(i for i, r in enumerate(recs) if r["kind"] == "run_end")
+    recs[end]["final_loss"] = float("inf")
+    path = write(tmp_path / "logs", recs)
+    run = load_run(tmp_path / "logs")
+    assert run.end["final_loss"] is None
+    assert f"{path}:{end + 1}: 'final_loss' is float inf, expected a finite number: read as unknown" in problems_of(run)
+    assert cli_main(["report", str(tmp_path / "logs"), "--format", "json", "-o", str(tmp_path / "j")]) == 0
+    json.loads((tmp_path / "j" / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    capsys.readouterr()
+    assert cli_main(["summary", str(tmp_path / "logs"), "--json"]) == 0
+    final = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))["final_loss"]
+    assert final == 2.4  # the last logged loss, as for a run that ended without one
+
+
+def test_a_log_with_no_usable_line_lists_its_problems(tmp_path, capsys):
+    """A gzip'd events file: exit 3 'no events found', and the file/line problems were not listed."""
+    import gzip
+
+    d = tmp_path / "logs"
+    d.mkdir()
+    (d / "events-x.jsonl").write_bytes(gzip.compress(GOLDEN.read_bytes()))
+    problems = []
+    assert load_runs(d, problems_out=problems) == {} and problems
+    assert cli_main(["summary", str(d)]) == 3
+    err = capsys.readouterr().err
+    assert f"{d / 'events-x.jsonl'}:1: corrupt line skipped" in err and "no stabilityguard events found" in err
+
+
+@pytest.mark.parametrize("bad", [0, -1, None, "5000", 2.5])
+def test_load_runs_checks_max_line_bytes(tmp_path, bad):
+    """0 or -1 skipped every line and returned {} (the problems never shown); None or '5000' was a bare
+    TypeError."""
+    from stabilityguard import ConfigError
+
+    write(tmp_path, golden_lines())
+    with pytest.raises(ConfigError, match=f"max_line_bytes must be an integer >= 1; got {bad!r}"):
+        load_runs(tmp_path, max_line_bytes=bad)
+
+
+def test_load_runs_takes_a_numpy_max_line_bytes(tmp_path):
+    import numpy as np
+
+    write(tmp_path, golden_lines())
+    assert list(load_runs(tmp_path, max_line_bytes=np.int64(100_000))) == ["golden-run"]
+
+
+def test_compare_keeps_a_row_per_directory_of_the_same_name(tmp_path, capsys):
+    """Three a/sg_logs b/sg_logs c/sg_logs whose runs share a run id: the third overwrote the second."""
+    dirs = []
+    for k, name in enumerate("abc"):
+        recs = golden_lines()
+        end = next(i for i, r in enumerate(recs) if r["kind"] == "run_end")
+        recs[end]["final_loss"] = float(k + 1)
+        write(tmp_path / name / "sg_logs", recs)
+        dirs.append(str(tmp_path / name / "sg_logs"))
+    assert cli_main(["compare", *dirs, "-o", str(tmp_path / "cmp"), "--no-plots"]) == 0
+    table = pd.read_csv(tmp_path / "cmp" / "compare.csv", index_col=0)
+    assert len(table) == 3 and sorted(table["final_loss"]) == [1.0, 2.0, 3.0] and table.index.is_unique
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: compare_table({}), "runs must be a non-empty dict .* got an empty dict"),
+    (lambda: compare_table([1]), "runs must be a non-empty dict .* got list"),
+    (lambda: compare_table({"a": None}), r"runs\['a'\] must be a RunLog .* got NoneType"),
+    (lambda: severity_table(None), "run must be a RunLog .* got NoneType"),
+    (lambda: layer_ranking("logs"), "run must be a RunLog .* got str"),
+    (lambda: run_summary({}), "run must be a RunLog .* got dict"),
+    (lambda: postmortem_markdown(None), "run must be a RunLog"),
+    (lambda: write_report(None, "out"), "run must be a RunLog"),
+])
+def test_report_functions_name_a_wrong_argument(call, says):
+    with pytest.raises(TypeError, match=says):
+        call()
+
+
+def test_write_report_needs_a_directory_path(tmp_path):
+    write(tmp_path, golden_lines())
+    with pytest.raises(TypeError, match="out_dir must be a directory path .* got None"):
+        write_report(load_run(tmp_path), None)
+
+
+def test_severity_of_takes_0d_arrays_and_tensors():
+    import numpy as np
+    import torch
+
+    from stabilityguard.reports import severity_of
+
+    assert severity_of(np.array(12.0)) == severity_of(torch.tensor(12.0)) == "critical"
+    assert severity_of(np.array(float("nan"))) == "nonfinite" and severity_of(np.float32(3)) == "moderate"
+
+
+def test_a_plot_matplotlib_cannot_draw_leaves_the_report_whole(tmp_path, caplog):
+    """Every loss at 1e308 made the timeline's tight_layout fail: exit 6 and nothing written, not even the
+    markdown."""
+    pytest.importorskip("matplotlib")
+    recs = golden_lines()
+    for r in recs:
+        if r["kind"] == "step_summary":
+            r["loss"] = 1e308
+    write(tmp_path / "logs", recs)
+    with caplog.at_level("WARNING", logger="stabilityguard"):
+        paths = write_report(load_run(tmp_path / "logs"), tmp_path / "rep")
+    assert paths["postmortem"].exists() and paths["html"].exists()
+    assert "timeline" not in paths and "heatmap" in paths
+    assert any("the timeline plot could not be drawn" in r.getMessage() for r in caplog.records)

@@ -119,6 +119,56 @@ def test_disk_full_keeps_events_and_writes_them_when_space_returns(tmp_path, cap
     assert sink.pending == 0
 
 
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_a_log_deleted_during_the_run_is_written_again_whole(run_factory, caplog, what):
+    """The sink wrote on into the deleted file (no error, every later event lost; an outside hunt). The
+    next event now writes the log again from what the open file still held, and says so."""
+    import shutil
+
+    run = run_factory(log_every=5)
+    run.train(15)
+    path = next(run.opt.config.log_dir.glob("events-*.jsonl"))
+    if what == "file":
+        path.unlink()
+    else:
+        shutil.rmtree(path.parent)
+    with caplog.at_level(logging.WARNING, logger="stabilityguard"):
+        run.train(25, faults={30: lambda m: scale_grad(m.head, 1000.0)})
+        run.opt.close()
+    assert sum("was deleted during the run" in r.getMessage() for r in caplog.records) == 1
+    kinds = [json.loads(x)["kind"] for x in path.read_text().splitlines()]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end"
+    assert kinds.count("step_summary") == 8 and kinds.count("spike") == 1
+    assert [json.loads(x).get("step") for x in path.read_text().splitlines() if '"step_summary"' in x] == \
+        [4, 9, 14, 19, 24, 29, 34, 39]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"max_pending": 0}, "max_pending must be an integer >= 1 .*got 0"),
+    ({"max_pending": -1}, "max_pending must be an integer >= 1 .*got -1"),
+    ({"max_pending": None}, "max_pending must be an integer >= 1 .*got None"),
+    ({"max_pending": "100"}, "max_pending must be an integer >= 1 .*got '100'"),
+    ({"max_pending": 2.5}, "max_pending must be an integer >= 1 .*got 2.5"),
+    ({"log_dir": None}, "log_dir must be a directory path .*got None"),
+    ({"log_dir": ""}, "log_dir must be a directory path .*got ''"),
+    ({"log_dir": 123}, "log_dir must be a directory path .*got 123"),
+])
+def test_jsonl_sink_arguments_are_checked_at_construction(tmp_path, kwargs, says):
+    """max_pending 0 or -1 dropped every event on a healthy disk, None or '100' failed every write."""
+    from stabilityguard import ConfigError
+
+    kwargs = {"log_dir": tmp_path, **kwargs}
+    with pytest.raises(ConfigError, match=says):
+        JsonlSink(kwargs.pop("log_dir"), **kwargs)
+
+
+def test_jsonl_sink_takes_numpy_and_tensor_counts(tmp_path):
+    import numpy as np
+
+    assert JsonlSink(tmp_path, max_pending=np.int64(7)).max_pending == 7
+    assert type(JsonlSink(tmp_path, max_pending=torch.tensor(7)).max_pending) is int
+
+
 def test_events_round_trip():
     ev = Spike(run_id="r", step=3, layer="fc2", ratio=12.5, action="skip", layer_norms={"fc2": 1.0})
     d = ev.to_dict()

@@ -101,3 +101,30 @@ def test_wandb_bridge_uses_the_active_run(run_factory, wandb_offline):
     run.opt.close()
     assert wandb.run is active  # the user's run is left open
     active.finish()
+
+
+def test_wandb_bridge_arguments_are_checked_before_a_run_starts(wandb_offline):
+    """Bad values name the argument; numpy and tensor numbers are taken as the plain numbers they hold
+    (they were refused while GuardConfig takes them)."""
+    import numpy as np
+    import torch
+    import wandb
+
+    from stabilityguard import ConfigError
+    from stabilityguard.integrations.wandb import WandBBridge
+
+    for kwargs, says in (({"alert_ratio": 0}, "alert_ratio must be a number > 0 or None; got 0"),
+                         ({"alert_every_s": "5"}, "alert_every_s must be a number of seconds >= 0; got '5'"),
+                         ({"connect_timeout": None}, "connect_timeout must be a number of seconds > 0; got None")):
+        with pytest.raises(ConfigError, match=says):
+            WandBBridge(project="sg-test", dir=str(wandb_offline), **kwargs)
+    assert wandb.run is None  # refused before a run was started
+    bridge = WandBBridge(project="sg-test", dir=str(wandb_offline), alert_ratio=np.float32(50.0),
+                         alert_every_s=torch.tensor(10), nonfinite_alert_every_s=np.int64(5),
+                         max_layer_metrics=np.int64(3), connect_timeout=np.float64(30.0))
+    try:
+        assert (bridge.alert_ratio, bridge.alert_every, bridge.max_layer_metrics) == (
+            50.0, {"WARN": 10.0, "ERROR": 5.0}, 3)
+        assert type(bridge.alert_ratio) is float and type(bridge.max_layer_metrics) is int
+    finally:
+        bridge.close()

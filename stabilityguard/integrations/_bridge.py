@@ -47,6 +47,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..config import native
 from ..errors import ConfigError, TrackerUnreachable
 from ..events import (
     ActionTaken, BaselineReset, EosWarning, GuardEvent, NonFinite, RunEnd, RunStart, Sharpness, Spike, StepSummary,
@@ -106,7 +107,8 @@ def check_reachable(uri: Optional[str], timeout: float) -> None:
 
 
 def check_timeout(name: str, value: Any) -> float:
-    """Validate a number of seconds > 0 (a bridge or ``sync`` argument)."""
+    """Validate a number of seconds > 0 (a bridge or ``sync`` argument; numpy and tensor scalars too)."""
+    value = native(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
         raise ConfigError(f"{name} must be a number of seconds > 0; got {value!r}")
     return float(value)
@@ -364,8 +366,13 @@ class TrackerBridge:
         queue_size: int = 100_000,
         upload_report: bool = True,
     ) -> None:
+        max_layer_metrics, close_timeout = native(max_layer_metrics), native(close_timeout)
+        max_table_rows, queue_size = native(max_table_rows), native(queue_size)
         if isinstance(max_layer_metrics, bool) or not isinstance(max_layer_metrics, int) or max_layer_metrics < 0:
             raise ConfigError(f"max_layer_metrics must be an integer >= 0; got {max_layer_metrics!r}")
+        for name, value in (("max_table_rows", max_table_rows), ("queue_size", queue_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1; got {value!r}")
         if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or not close_timeout >= 0:
             raise ConfigError(f"close_timeout must be a number of seconds >= 0; got {close_timeout!r}")
         self.max_layer_metrics = max_layer_metrics

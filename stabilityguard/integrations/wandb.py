@@ -14,6 +14,7 @@ import time
 from typing import Any, Dict, Optional
 
 from .._optional import require
+from ..config import native
 from ..errors import ConfigError
 from ..events import GuardEvent, NonFinite, RunEnd, RunStart, Spike
 from ._bridge import COUNTERS, MARKERS, TrackerBridge, TrackerUnreachable, check_timeout, finite, report_entry
@@ -77,6 +78,8 @@ class WandBBridge(TrackerBridge):
         **init_kwargs: Any,
     ) -> None:
         self._wandb = require("wandb", extra="wandb", feature="WandBBridge")
+        alert_ratio, alert_every_s = native(alert_ratio), native(alert_every_s)
+        nonfinite_alert_every_s = native(nonfinite_alert_every_s)
         if alert_ratio is not None and (isinstance(alert_ratio, bool) or not isinstance(alert_ratio, (int, float))
                                         or not alert_ratio > 0):
             raise ConfigError(f"alert_ratio must be a number > 0 or None; got {alert_ratio!r}")

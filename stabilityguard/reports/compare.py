@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .load import RunLog, _pd
+from .load import RunLog, _pd, check_run
 from .tables import layer_ranking, run_summary
 
 
@@ -20,6 +20,11 @@ def compare_table(runs: Dict[str, RunLog]) -> Any:
     Example:
         >>> compare_table({"a": load_run("logs/a"), "b": load_run("logs/b")})  # doctest: +SKIP
     """
+    if not isinstance(runs, dict) or not runs:
+        raise TypeError("runs must be a non-empty dict of display name -> RunLog; got "
+                        + (f"an empty {type(runs).__name__}" if isinstance(runs, dict) else type(runs).__name__))
+    for name, run in runs.items():
+        check_run(run, f"runs[{name!r}]")
     pd = _pd()
     rows = []
     for name, run in runs.items():

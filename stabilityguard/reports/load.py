@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from array import array
 from bisect import bisect_left
 from contextlib import nullcontext
@@ -39,7 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .._optional import require
-from ..errors import StabilityGuardError
+from ..config import native
+from ..errors import ConfigError, StabilityGuardError
 from ..events import SCHEMA_VERSION, check_schema_version
 from . import _fast, _fast_windows
 from ._fast import SUMMARY_FLOATS as _SUMMARY_FLOATS
@@ -421,7 +423,9 @@ class _RunBuilder:
                     clean[k] = chk.opt_int(rec, k)
             if "final_loss" in rec:
                 v = chk.num(rec, "final_loss")
-                clean["final_loss"] = None if v != v else v
+                if v in (_INF, -_INF):  # the guard writes a finite loss or null: an edited or corrupt line
+                    chk._complain("final_loss", v, "a finite number")
+                clean["final_loss"] = v if math.isfinite(v) else None
             self._flush(chk)
             self.ranks.add(rank)
             self.ends[(rank, seg)] = clean
@@ -900,6 +904,8 @@ def severity_of(ratio: Any, kind: Any = None) -> Any:
         >>> severity_of(12.0)
         'critical'
     """
+    if getattr(ratio, "ndim", None) == 0:  # a 0-d numpy array or tensor: the number it holds
+        ratio = ratio.item()
     if not hasattr(ratio, "__len__"):
         if kind == "nonfinite" or ratio is None or ratio != ratio or ratio == float("inf"):
             return "nonfinite"
@@ -1136,13 +1142,15 @@ def _report_to_record(report: Dict[str, Any], snap: Dict[str, Any]) -> Dict[str,
     return rec
 
 
-def load_runs(*paths: PathLike, max_line_bytes: int = MAX_LINE_BYTES) -> Dict[str, RunLog]:
+def load_runs(*paths: PathLike, max_line_bytes: int = MAX_LINE_BYTES,
+              problems_out: Optional[List["Problem"]] = None) -> Dict[str, RunLog]:
     """Load every run found in log directories or files, keyed by run id (oldest first).
 
     Args:
         paths: Log directories (``events-*.jsonl``, ``spike_step*.json`` and ``refused_batches*.jsonl``
             inside) or files.
         max_line_bytes: Longer lines (and larger spike reports) are reported and skipped.
+        problems_out: A list to extend with what could not be read, also when no run is found.
 
     Returns:
         Run id -> :class:`RunLog`; every run's ``problems`` lists what could not be read in these files.
@@ -1155,6 +1163,9 @@ def load_runs(*paths: PathLike, max_line_bytes: int = MAX_LINE_BYTES) -> Dict[st
         >>> runs = load_runs("./sg_logs")  # doctest: +SKIP
         >>> run = latest(runs); run.incidents[["step", "layer", "ratio", "action"]]  # doctest: +SKIP
     """
+    max_line_bytes = native(max_line_bytes)
+    if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int) or max_line_bytes < 1:
+        raise ConfigError(f"max_line_bytes must be an integer >= 1; got {max_line_bytes!r}")
     problems: List[Problem] = []
     builders: Dict[str, _RunBuilder] = {}
     for path in _log_files(paths):
@@ -1207,12 +1218,22 @@ def load_runs(*paths: PathLike, max_line_bytes: int = MAX_LINE_BYTES) -> Dict[st
     if problems:
         logger.warning("%d log problem(s), first: %s", len(problems), problems[0])
     runs = {rid: b.build(problems) for rid, b in builders.items()}
-    first = {rid: b.first_time() for rid, b in builders.items()}
+    if problems_out is not None:
+        problems_out.extend(problems)
+    # Runs with a run_start in the order they started; before them, records of no started run here (a
+    # spike report left from a deleted log, records without a run id): never taken for the latest run.
+    first = {rid: (b.first_time() != float("inf"), b.first_time()) for rid, b in builders.items()}
     return dict(sorted(runs.items(), key=lambda kv: (first[kv[0]], kv[0])))
 
 
+def check_run(run: Any, name: str = "run") -> None:
+    """Raise ``TypeError`` naming ``name`` when ``run`` is not a :class:`RunLog` (the report functions' check)."""
+    if not isinstance(run, RunLog):
+        raise TypeError(f"{name} must be a RunLog (from load_run or load_runs); got {type(run).__name__}")
+
+
 def latest(runs: Dict[str, RunLog]) -> RunLog:
-    """The most recently started run."""
+    """The most recently started run (one with a ``run_start`` record, if there is any)."""
     if not runs:
         raise LogFormatError("no stabilityguard events found")
     return list(runs.values())[-1]

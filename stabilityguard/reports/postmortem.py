@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import base64
 import html
+import logging
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from .load import RunLog
+from ..errors import MissingDependencyError
+from .load import RunLog, check_run
 from .tables import RANKING_RULE, layer_ranking, run_summary, severity_table
+
+logger = logging.getLogger(__name__)
 
 PathLike = Union[str, Path]
 
@@ -395,6 +400,7 @@ def postmortem_markdown(
     Example:
         >>> md = postmortem_markdown(load_run("./sg_logs"))  # doctest: +SKIP
     """
+    check_run(run)
     images = images or {}
     ranking = layer_ranking(run)
     s = run_summary(run, ranking)
@@ -714,19 +720,32 @@ def write_report(run: RunLog, out_dir: PathLike, plots: bool = True, html_page: 
         >>> paths["html"]  # doctest: +SKIP
         PosixPath('sg_logs/report/postmortem.html')
     """
+    check_run(run)
+    if not isinstance(out_dir, (str, os.PathLike)) or out_dir == "":
+        raise TypeError(f"out_dir must be a directory path (str or pathlib.Path); got {out_dir!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: Dict[str, Path] = {}
+
+    def draw(key: str, plot: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            paths[key] = plot(*args, **kwargs)
+        except MissingDependencyError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a plot matplotlib cannot draw (values near the float limit)
+            logger.warning("stabilityguard: the %s plot could not be drawn (%s: %s); the report goes on without "
+                           "it", key, type(exc).__name__, exc)
+
     if plots:
         from .plots import heatmap_plot, incident_plot, timeline_plot
 
-        paths["timeline"] = timeline_plot(run, out_dir / "timeline.png")
+        draw("timeline", timeline_plot, run, out_dir / "timeline.png")
         if len(run.incidents):
-            paths["heatmap"] = heatmap_plot(run, out_dir / "heatmap.png")
+            draw("heatmap", heatmap_plot, run, out_dir / "heatmap.png")
         has_windows = run.windows is not None and len(run.windows)
         for step, seg in (_closeup_steps(run, closeups) if has_windows else []):
             key = f"incident_{step}" + (f"_s{seg}" if seg else "")
-            paths[key] = incident_plot(run, step, out_dir / f"{key}.png", segment=seg)
+            draw(key, incident_plot, run, step, out_dir / f"{key}.png", segment=seg)
     images = {k: p.name for k, p in paths.items()}
     md = out_dir / "postmortem.md"
     md.write_text(postmortem_markdown(run, images, closeups=closeups), encoding="utf-8")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .load import SEVERITY_CLASSES, RunLog, _pd
+from .load import SEVERITY_CLASSES, RunLog, _pd, check_run
 
 
 def severity_table(run: RunLog) -> Any:
@@ -20,6 +20,7 @@ def severity_table(run: RunLog) -> Any:
     Example:
         >>> severity_table(load_run("./sg_logs"))  # doctest: +SKIP
     """
+    check_run(run)
     pd = _pd()
     inc, li = run.incidents, run.layer_incidents
     rows = []
@@ -83,6 +84,7 @@ def layer_ranking(run: RunLog) -> Any:
     Example:
         >>> layer_ranking(load_run("./sg_logs")).head(3)  # doctest: +SKIP
     """
+    check_run(run)
     pd = _pd()
     li = run.layer_incidents
     cols = ["layer", "triggers", "incidents", "spikes", "nonfinite", "max_ratio", "median_ratio", "first_step",
@@ -137,6 +139,7 @@ def run_summary(run: RunLog, ranking: Any = None) -> dict:
     Example:
         >>> run_summary(load_run("./sg_logs"))["top_layer"]  # doctest: +SKIP
     """
+    check_run(run)
     inc = run.incidents
     last_loss = run.end.get("final_loss")
     if last_loss is None and len(run.steps):

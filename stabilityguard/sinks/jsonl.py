@@ -8,6 +8,8 @@ from collections import deque
 from pathlib import Path
 from typing import Deque, Optional, Union
 
+from ..config import native
+from ..errors import ConfigError
 from ..events import GuardEvent
 from ._json import dumps
 
@@ -26,7 +28,8 @@ class JsonlSink:
     truncated last line (readers skip it). If the disk is full or the file cannot be written, the error
     reaches the dispatcher (logged once), the lines stay in memory (up to ``max_pending``), and the next
     event reopens the file and writes them first; nothing is lost unless more than ``max_pending`` lines
-    pile up, which is logged.
+    pile up, which is logged. A log deleted while the run writes (the file or its directory) is written
+    again at the next event, from what the open file still holds, and the deletion is logged.
 
     Args:
         log_dir: Directory of the log (created if missing).
@@ -41,6 +44,12 @@ class JsonlSink:
     def __init__(
         self, log_dir: Union[str, Path], *, per_rank: bool = False, max_pending: int = 100_000
     ) -> None:
+        if not isinstance(log_dir, (str, os.PathLike)) or log_dir == "":
+            raise ConfigError(f"log_dir must be a directory path (str or pathlib.Path); got {log_dir!r}")
+        max_pending = native(max_pending)
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ConfigError(f"max_pending must be an integer >= 1 (lines kept while the file cannot be written); "
+                              f"got {max_pending!r}")
         self.log_dir = Path(log_dir)
         self.per_rank = per_rank
         self.max_pending = max_pending
@@ -60,14 +69,36 @@ class JsonlSink:
         if self.path is None:
             self.path = self.log_dir / event_log_name(event.run_id, event.rank, self.per_rank)
         try:
-            if self._fd is None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._open()
             self._drain()
         except OSError:
             # Disk full, file gone, permission lost: keep the lines, reopen on the next event.
             self._close_fd()
             raise
+
+    def _open(self) -> None:
+        self._recover_deleted()
+        if self._fd is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            assert self.path is not None
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # RDWR: see above
+
+    def _recover_deleted(self) -> None:
+        """The open file was deleted (no name left: writes would go nowhere anyone can read): take what it
+        holds back into the pending lines, so the next open writes the whole log again."""
+        if self._fd is None or os.fstat(self._fd).st_nlink > 0:
+            return
+        size, chunks, offset = os.fstat(self._fd).st_size, [], 0
+        while offset < size:
+            chunk = os.pread(self._fd, min(size - offset, 1 << 20), offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+        self._pending.extendleft(reversed(chunks))
+        self._close_fd()
+        logger.warning("JSONL log %s was deleted during the run; writing it again (%d bytes so far)", self.path,
+                       offset)
 
     def _close_fd(self) -> None:
         if self._fd is not None:
@@ -96,6 +127,7 @@ class JsonlSink:
     def flush(self) -> None:
         if self._fd is not None:
             try:
+                self._open()
                 self._drain()
                 os.fsync(self._fd)
             except OSError:
@@ -105,7 +137,7 @@ class JsonlSink:
     def close(self) -> None:
         if self._fd is not None:
             try:
-                self._drain()
+                self.flush()
             finally:
                 self._close_fd()
         if self._pending:
