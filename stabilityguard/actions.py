@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -171,6 +172,7 @@ class RollbackManager:
         self._tensors: Dict[str, torch.Tensor] = {}
         self._opt_state: Dict[str, Dict[str, Any]] = {}  # param name -> key -> (copy, device)
         self._accepted_since = 0
+        self.from_checkpoint = False  # the snapshot came with a loaded checkpoint, no step taken since
 
     def track(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """Follow a new set of tensors (after ``add_param_group``); the next snapshot covers them."""
@@ -192,9 +194,11 @@ class RollbackManager:
         }
         self.snapshot_step = step
         self._accepted_since = 0
+        self.from_checkpoint = False
 
     def after_accepted_step(self, next_step: int) -> None:
         """Count an accepted step; take a snapshot every ``interval`` of them."""
+        self.from_checkpoint = False
         self._accepted_since += 1
         if self._accepted_since >= self.interval:
             self.snapshot(next_step)
@@ -233,6 +237,7 @@ class RollbackManager:
                     cur[k] = copy.deepcopy(v)
         self.optimizer.zero_grad(set_to_none=True)
         self._accepted_since = 0
+        self.from_checkpoint = False
         return self.snapshot_step
 
     def memory_bytes(self) -> int:
@@ -279,6 +284,7 @@ class RollbackManager:
                 entry[k] = (self._copy(v), device)
             self._opt_state[n] = entry
         self.snapshot_step = int(step)
+        self.from_checkpoint = True
 
 
 class Containment:
@@ -329,6 +335,31 @@ class Containment:
         self.buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
         self.buffers.mark()
         counters.skipped += 1
+
+    def follow_model_loads(self, model: Optional[torch.nn.Module], counters: Any) -> List[Any]:
+        """Weights loaded into ``model`` after the guard was built (``model.load_state_dict``, also through a
+        wrapper's ``.module`` or ``._orig_mod``) are what a refused step returns to: :meth:`model_loaded`
+        runs after each load. Returns the hook handles (held weakly: the model does not keep the guard)."""
+        if model is None:
+            return []
+        ref = weakref.ref(self)
+
+        def loaded(module: torch.nn.Module, incompatible: Any) -> None:
+            me = ref()
+            if me is not None:
+                me.model_loaded(counters.steps)
+
+        mods = [model] + [m for m in (getattr(model, "module", None), getattr(model, "_orig_mod", None))
+                          if isinstance(m, torch.nn.Module)]
+        return [m.register_load_state_dict_post_hook(loaded) for m in mods]
+
+    def model_loaded(self, step: int) -> None:
+        """The model's weights and buffers were loaded: mark the buffers, and take a rollback snapshot of
+        the loaded state unless the snapshot came with a checkpoint just loaded into the optimizer (a
+        resume that loads the optimizer first: that snapshot is the uninterrupted run's)."""
+        self.buffers.mark()
+        if self.rollback is not None and not self.rollback.from_checkpoint:
+            self.rollback.snapshot(step)
 
     def restart(self, step: int) -> None:
         """The state as it is now (a checkpoint loaded without guard state, at ``step``) is what a refused

@@ -70,14 +70,18 @@ def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
 
     Real numbers of any kind (Python, numpy scalars, a one-element numpy array of integers or floats)
     become a ``float``; anything else (a string, a bool, a complex number, a list, an array of several
-    values, an integer too large for a float) is a ``TypeError`` naming ``where``.
+    values, an integer too large for a float, a complex or bool tensor) is a ``TypeError`` naming ``where``.
 
     Example:
         >>> import numpy as np
         >>> check_loss(np.float32(1.5)), check_loss(None)
         (1.5, None)
     """
-    if loss is None or isinstance(loss, torch.Tensor):
+    if loss is None:
+        return loss
+    if isinstance(loss, torch.Tensor):
+        if loss.dtype.is_complex or loss.dtype == torch.bool:
+            raise TypeError(f"{where} must be a real-valued tensor, a real number or None; got a {loss.dtype} tensor")
         return loss
     try:
         if type(loss).__module__ == "numpy":  # numpy scalars and arrays: by their dtype (np.bool_ is no number)

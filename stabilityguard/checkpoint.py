@@ -188,7 +188,10 @@ def load_merged_state_dict(opt: torch.optim.Optimizer, base: torch.optim.Optimiz
     before = None
     if guard is not None:  # before anything is loaded: a corrupt guard state leaves the optimizer as it was
         check_guard_state(guard, f"the optimizer state's {KEY!r} entry")
-        before = base.state_dict()  # references: a load replaces the state's tensors, it does not write them
+        try:
+            before = base.state_dict()  # references: a load replaces the state's tensors, it does not write them
+        except RuntimeError:  # ZeroRedundancyOptimizer before consolidate_state_dict(): no put-back then
+            before = None
     base.load_state_dict(sd)
     try:
         loaded(guard)

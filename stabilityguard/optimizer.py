@@ -110,6 +110,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._log.run_start(config.to_dict() | {"run_id": self.run_id} | self._features.describe(), base_opt, idx,
                             __version__)
         self._finalizer = weakref.finalize(self, finish_run, self.dispatcher, self.counters, self.run_id, self.rank)
+        self._load_hooks = self._containment.follow_model_loads(model, self.counters)  # weights loaded later
 
     # ----------------------------------------------------------------------------- plumbing
     def _share_base(self) -> None:
@@ -364,6 +365,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._finalizer.alive:
             self._log.flight_records()
         self._finalizer()
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = []
 
     def __enter__(self) -> "GuardedOptimizer":
         return self

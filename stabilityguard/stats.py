@@ -87,11 +87,18 @@ class ParamIndex:
         named: List[Tuple[str, str, torch.Tensor]] = []  # (param name, layer name, param)
         seen = set()
         if model is not None:
+            raw = []
             for name, p in model.named_parameters():
                 if id(p) in in_opt and id(p) not in seen:
-                    name = _clean_name(name)
-                    named.append((name, layer_of(name), p))
+                    raw.append((name, p))
                     seen.add(id(p))
+            clean = [_clean_name(name) for name, _ in raw]
+            if len(set(clean)) < len(clean):
+                # A wrapper prefix that is not one (a submodule of the model's own called "module" beside
+                # one of the same inner name): the names as the model gives them, or two layers would
+                # share a name (one baseline, one rollback entry for both).
+                clean = [name for name, _ in raw]
+            named.extend((name, layer_of(name), p) for name, (_, p) in zip(clean, raw))
         for p in order:
             if id(p) not in seen:  # not named by the model: its own layer
                 named.append((in_opt[id(p)], in_opt[id(p)], p))

@@ -6,6 +6,7 @@ Used by tests/test_distributed.py through torch.multiprocessing; also runnable w
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -143,7 +144,39 @@ def ddp_accumulation(out: Path, rank: int, world: int) -> dict:
     return {"rank": rank, "digest": _digest(model), "spikes": c.spikes, "skipped": c.skipped, "steps": c.steps}
 
 
+def zero_resume(out: Path, rank: int, world: int) -> dict:
+    """A guarded ZeroRedundancyOptimizer checkpoint loads into a new guard: its load took a backup with
+    state_dict(), which ZeRO refuses before consolidate_state_dict() (an outside hunt)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def build():
+        model = _model()
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
+        return model, GuardedOptimizer(zero, model, verbose=False, log_dir=None, nan_action="rollback")
+
+    data = MarkovData(vocab_size=32, seed=0)
+    batches = [data.batch(8, 16) for _ in range(12)]
+
+    def train(model, opt, part):
+        for x, y in part:
+            torch.nn.functional.cross_entropy(model(x).reshape(-1, 32), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, batches[:6])
+    opt.consolidate_state_dict(0)
+    ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
+    train(model, opt, batches[6:])
+    model2, opt2 = build()
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    train(model2, opt2, batches[6:])
+    return {"rank": rank, "same": _digest(model) == _digest(model2), "steps": opt2.counters.steps}
+
+
 SCENARIOS = {
+    "zero_resume": zero_resume,
     "ddp_accum": ddp_accumulation,
     "ddp": ddp,
     "ddp_nosync": lambda out, rank, world: ddp(out, rank, world, sync_ranks=False),

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from stabilityguard import GuardedOptimizer
+from stabilityguard import GradientSpikeError, GuardedOptimizer
 from stabilityguard.loss_signals import LossMonitor
 from stabilityguard.policy import CLIP, REFUSE, GuardPolicy
 
@@ -621,3 +621,97 @@ def test_a_failed_load_names_its_part_and_puts_back_what_guard_state_leaves_out(
     with pytest.raises(ConfigError, match=f"^checkpoint X could not be loaded: its '{part}' part failed .*as it was"):
         target.load_guard_state_dict(state, where="checkpoint X")
     assert (det.limits, det.suspended, col.rider, col.update_step, target.guard_state_dict(tensors=False)) == before
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("action", ["rollback", "skip", "raise"])
+@pytest.mark.parametrize("order", ["model_after_construction", "optimizer_then_model"])
+def test_weights_loaded_after_the_guard_is_built_are_what_a_refused_step_returns_to(action, order):
+    """The rollback snapshot and the buffers a refused step puts back were taken when the guard was built (or
+    when the optimizer state was loaded): pretrained weights loaded after that, or a checkpoint whose model is
+    loaded after the optimizer, and the first refused step went back to the random weights and the initial
+    BatchNorm statistics (an outside hunt). A model load is now followed by the guard."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)) for _ in range(12)]
+    trained = _bn_net()
+    base = GuardedOptimizer(torch.optim.AdamW(trained.parameters(), lr=1e-2), trained, log_dir=None, verbose=False)
+    for x, y in data[:10]:
+        (trained(x) - y).pow(2).mean().backward()
+        base.step()
+        base.zero_grad()
+    ckpt = {"model": {k: v.clone() for k, v in trained.state_dict().items()}, "opt": base.state_dict()}
+    base.close()
+
+    model = _bn_net()
+    opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, log_dir=None, verbose=False,
+                           nan_action=action)
+    if order == "optimizer_then_model":
+        opt.load_state_dict(ckpt["opt"])
+    model.load_state_dict(ckpt["model"])
+    x, y = data[10]
+    loss = (model(x) - y).pow(2).mean()
+    loss.backward()
+    for p in model[3].parameters():
+        p.grad.fill_(float("nan"))
+    try:
+        opt.step(loss=loss)
+    except GradientSpikeError:
+        assert action == "raise"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ckpt["model"][k]), k  # weights and BatchNorm statistics as loaded
+    opt.close()
+    model.load_state_dict(ckpt["model"])  # the hooks left with close(): nothing follows the model now
+    assert not model._load_state_dict_post_hooks
+
+
+def test_a_submodule_called_module_keeps_its_own_name():
+    """'module.' was stripped as if it were DDP's prefix from a submodule of the model's own: beside a sibling
+    of the same inner name, two layers became one, and a rollback wrote one layer's weights into the other."""
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = Holder()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(self.module.fc(x))
+
+    torch.manual_seed(0)
+    m = Net()
+    opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
+                           nan_action="rollback")
+    assert opt.param_index.layer_names == ("module.fc", "fc")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m(torch.randn(2, 4)).sum().backward()
+    m.fc.weight.grad.fill_(float("nan"))
+    opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_a_ddp_style_wrapper_prefix_is_still_stripped():
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    opt = GuardedOptimizer(torch.optim.SGD(inner.parameters(), lr=0.1), Wrapper(inner), log_dir=None, verbose=False)
+    assert opt.param_index.layer_names == ("0", "1")
+
+
+@pytest.mark.parametrize("loss", [torch.tensor(1.0 + 0j), torch.tensor(True)])
+def test_a_complex_or_bool_loss_tensor_is_a_type_error(loss):
+    m = nn.Linear(2, 1)
+    opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False)
+    m(torch.randn(4, 2)).sum().backward()
+    with pytest.raises(TypeError, match=r"step\(loss=...\) must be a real-valued tensor"):
+        opt.step(loss=loss)

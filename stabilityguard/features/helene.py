@@ -139,6 +139,8 @@ class LayerClipper:
         """Thresholds (on the host), their age and the parameter set they were computed for."""
         return {
             "thresholds": None if self.thresholds is None else self.thresholds.tolist(),  # JSON-native
+            # their dtype (that of Adam's second moments): a float list holds bf16 and float64 values exactly
+            "dtype": None if self.thresholds is None else str(self.thresholds.dtype).replace("torch.", ""),
             "age": self._age,
             "key": None if self._key is None else list(self._key),
             "clipped_steps": self.clipped_steps,
@@ -150,7 +152,10 @@ class LayerClipper:
         key = state.get("key")
         if th is not None and key is not None:
             device = self.params[0].device if self.params else torch.device("cpu")
-            self.thresholds = torch.as_tensor(th).to(device)
+            dtype = getattr(torch, str(state.get("dtype") or "float32"), None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"thresholds dtype {state.get('dtype')!r} is not a floating-point dtype")
+            self.thresholds = torch.tensor(th, dtype=torch.float64).to(device=device, dtype=dtype)
             self._threshold_list = list(self.thresholds.unbind())
             self._key = tuple(int(k) for k in key)
         self._age = int(state.get("age", 0))
