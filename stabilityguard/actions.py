@@ -287,6 +287,57 @@ class RollbackManager:
         self.from_checkpoint = True
 
 
+class LoadFollower:
+    """Follows weights loaded into the guard's model after the guard was built, so that they are what a
+    refused step returns to: a ``load_state_dict`` post-hook on every module of the model (a load of the
+    whole model or of one submodule, through any wrapper) flags the load, and the model's next forward
+    pass (a pre-hook) or the guard's next step, whichever comes first, hands the loaded state to
+    :meth:`Containment.model_loaded`, once per load. Per forward pass: one flag read.
+
+    Holds the guard weakly (the model does not keep it alive); pickled or copied with the model, it is a
+    hook that does nothing (a copy of a model has no guard). :meth:`remove` takes the hooks off.
+
+    Args:
+        model: The guard's model.
+        containment: The guard's :class:`Containment`.
+        counters: The guard's counters (``steps``: where a snapshot is taken).
+    """
+
+    def __init__(self, model: torch.nn.Module, containment: "Containment", counters: Any) -> None:
+        self._ref: Optional[Any] = weakref.ref(containment)
+        self._counters = counters
+        self.pending = False
+        self._handles = [m.register_load_state_dict_post_hook(self.loaded) for m in model.modules()]
+        self._handles.append(model.register_forward_pre_hook(self.before_forward))
+
+    def loaded(self, module: torch.nn.Module, incompatible: Any) -> None:
+        self.pending = True
+
+    def before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.pending:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand a load flagged since the last flush to the guard (called at each step too)."""
+        if not self.pending:
+            return
+        self.pending = False
+        containment = self._ref() if self._ref is not None else None
+        if containment is not None:
+            containment.model_loaded(self._counters.steps)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self._ref, self._counters, self.pending, self._handles = None, None, False, []
+
+
 class Containment:
     """How one guard applies its decisions: :meth:`take` a step (gradients scaled back and clipped, the
     wrapped step), :meth:`refuse` one (``nan_action``), and what a refused step returns to.
@@ -335,23 +386,6 @@ class Containment:
         self.buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
         self.buffers.mark()
         counters.skipped += 1
-
-    def follow_model_loads(self, model: Optional[torch.nn.Module], counters: Any) -> List[Any]:
-        """Weights loaded into ``model`` after the guard was built (``model.load_state_dict``, also through a
-        wrapper's ``.module`` or ``._orig_mod``) are what a refused step returns to: :meth:`model_loaded`
-        runs after each load. Returns the hook handles (held weakly: the model does not keep the guard)."""
-        if model is None:
-            return []
-        ref = weakref.ref(self)
-
-        def loaded(module: torch.nn.Module, incompatible: Any) -> None:
-            me = ref()
-            if me is not None:
-                me.model_loaded(counters.steps)
-
-        mods = [model] + [m for m in (getattr(model, "module", None), getattr(model, "_orig_mod", None))
-                          if isinstance(m, torch.nn.Module)]
-        return [m.register_load_state_dict_post_hook(loaded) for m in mods]
 
     def model_loaded(self, step: int) -> None:
         """The model's weights and buffers were loaded: mark the buffers, and take a rollback snapshot of

@@ -51,7 +51,8 @@ def check_guard_state(state: Any, where: str = "the guard state") -> None:
     """Raise :class:`~stabilityguard.errors.ConfigError` when ``state`` cannot be :func:`guard_state` output
     (of any format): not a dict, no ``policy`` (or format-1 ``detector``) dict, baselines without their
     names, values, counts and run counters as lists of one length, another part that is not a dict, or
-    counters that are not integers >= 0 (``last_loss``: a finite number or None), or a format this version
+    counters that are not integers >= 0 (``last_loss``: a number or None; a
+    non-finite one, as earlier versions wrote after a NaN step, loads as None), or a format this version
     does not read. The message names ``where`` and what is wrong. Called before anything is
     loaded; what it cannot see (a wrong value deep inside a part) fails in :func:`load_guard_state`, which
     then puts the guard's state back as it was.
@@ -88,10 +89,9 @@ def check_guard_state(state: Any, where: str = "the guard state") -> None:
     if isinstance(fmt, bool) or not isinstance(fmt, numbers.Integral) or not 1 <= fmt <= FORMAT:
         raise bad(f"its format is {fmt!r}; this version reads formats 1 to {FORMAT}")
     for key, value in (state.get("counters") or {}).items():
-        if key == "last_loss":
-            ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                                   and math.isfinite(value))
-            allowed = "a finite number or None"
+        if key == "last_loss":  # a non-finite one (earlier versions wrote the NaN step's) loads as None
+            ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))
+            allowed = "a number or None"
         else:
             ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
             allowed = "an integer >= 0"
@@ -112,19 +112,30 @@ def load_guard_state(state: Dict[str, Any], policy: Any, log: Any, features: Any
     from .errors import ConfigError
 
     check_guard_state(state, where)
-    parts = (policy, log, features, rollback, collector, track_update_size)
-    backup = guard_state(policy, log, features, rollback, collector)  # references: loading replaces, never mutates
-    # What guard_state() leaves out but a load sets: learned thresholds, the pending update size as it is.
-    det = policy.detector
-    aside = (det.limits, det.suspended, collector.rider, collector.update_step)
+    put_back = guard_backup(policy, log, features, rollback, collector, track_update_size)
     part = ["policy"]  # the part being loaded, for the message
     try:
-        _load_parts(state, *parts, part)
+        _load_parts(state, policy, log, features, rollback, collector, track_update_size, part)
     except Exception as e:  # noqa: BLE001 - any malformed value: put the state back, say what failed
-        _load_parts(backup, *parts, [])
-        det.limits, det.suspended, collector.rider, collector.update_step = aside
+        put_back()
         raise ConfigError(f"{where} could not be loaded: its {part[0]!r} part failed ({type(e).__name__}: {e}); "
                           "the guard's state is as it was") from e
+
+
+def guard_backup(policy: Any, log: Any, features: Any, rollback: Any, collector: Any,
+                 track_update_size: bool) -> Callable[[], None]:
+    """A function that puts the guard's state back as it is now: :func:`guard_state` (references: a load
+    replaces tensors, it never writes them) and what a load sets beside it (learned thresholds, the
+    pending update size)."""
+    backup = guard_state(policy, log, features, rollback, collector)
+    det = policy.detector
+    aside = (det.limits, det.suspended, collector.rider, collector.update_step)
+
+    def put_back() -> None:
+        _load_parts(backup, policy, log, features, rollback, collector, track_update_size, [])
+        det.limits, det.suspended, collector.rider, collector.update_step = aside
+
+    return put_back
 
 
 def _load_parts(state: Dict[str, Any], policy: Any, log: Any, features: Any, rollback: Any, collector: Any,
@@ -142,7 +153,11 @@ def _load_parts(state: Dict[str, Any], policy: Any, log: Any, features: Any, rol
     now("counters")
     for k, v in state.get("counters", {}).items():
         if hasattr(log.counters, k):  # plain Python numbers (a numpy integer from a hand-made state, too)
-            setattr(log.counters, k, v if v is None else float(v) if k == "last_loss" else int(v))
+            if k == "last_loss":
+                v = float(v) if v is not None and math.isfinite(v) else None
+            else:
+                v = int(v)
+            setattr(log.counters, k, v)
     now("recorder")
     if "recorder" in state:
         log.recorder.load_state_dict(state["recorder"])

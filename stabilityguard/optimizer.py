@@ -16,10 +16,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 import torch
 
 from . import __version__
-from .actions import Containment
+from .actions import Containment, LoadFollower
 from .arguments import call_closure, check_arguments, check_loss
 from .checkpoint import KEY as CHECKPOINT_KEY
-from .checkpoint import guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
+from .checkpoint import guard_backup, guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
 from .config import GuardConfig
 from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
                    shared_run_id, spike_error, spike_incident)
@@ -110,7 +110,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._log.run_start(config.to_dict() | {"run_id": self.run_id} | self._features.describe(), base_opt, idx,
                             __version__)
         self._finalizer = weakref.finalize(self, finish_run, self.dispatcher, self.counters, self.run_id, self.rank)
-        self._load_hooks = self._containment.follow_model_loads(model, self.counters)  # weights loaded later
+        self._loads = LoadFollower(model, self._containment, self.counters) if model is not None else None
 
     # ----------------------------------------------------------------------------- plumbing
     def _share_base(self) -> None:
@@ -265,6 +265,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._log.summary(step, None, self._lr(), *self._features.post_clip(self._clip_input))
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
+        if self._loads is not None:
+            self._loads.flush()  # weights loaded since the last step and no forward pass of the model since
         loss, given = call_closure(closure, loss)  # the closure may call skip_next_step or observe_loss
         if self._pending_loss is not None and (given is None or closure is not None):
             given = self._pending_loss  # handed over explicitly: wins over the closure's result
@@ -365,9 +367,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._finalizer.alive:
             self._log.flight_records()
         self._finalizer()
-        for handle in self._load_hooks:
-            handle.remove()
-        self._load_hooks = []
+        if self._loads is not None:
+            self._loads.remove()  # weights loaded after close() are not followed
 
     def __enter__(self) -> "GuardedOptimizer":
         return self
@@ -395,6 +396,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
         load_guard_state(state, self._policy, self._log, self._features, self._containment.rollback, self._collector,
                          self.config.track_update_size, where)
         self._containment.buffers.mark()  # the buffers as loaded are the state a refused step returns to
+
+    def _guard_backup(self) -> Callable[[], None]:
+        """A function that puts the guard's state back as it is now (for an integration's all-or-nothing
+        load of several guards)."""
+        return guard_backup(self._policy, self._log, self._features, self._containment.rollback, self._collector,
+                            self.config.track_update_size)
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"`` (the

@@ -23,20 +23,35 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+#: The child a wrapper module holds the wrapped model under: DDP's and DataParallel's ``module``,
+#: torch.compile's ``_orig_mod``, FSDP1's ``_fsdp_wrapped_module``, checkpoint_wrapper's.
+_WRAPPER_CHILDREN = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+#: Wrappers inside a model (a compiled or checkpoint-wrapped submodule): names no model's own part has.
+_INNER_WRAPPERS = ("._orig_mod.", "._fsdp_wrapped_module.", "._checkpoint_wrapped_module.")
 
 
-def _clean_name(name: str) -> str:
-    """Strip wrapper prefixes (DDP's ``module.``, torch.compile's ``_orig_mod.``) from a name."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                changed = True
-        name = name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
-        name = name.replace("._checkpoint_wrapped_module.", ".")
+def _wrapper_prefix(model: torch.nn.Module) -> str:
+    """The name prefix of the wrappers around ``model``: each a module with no parameters of its own whose
+    only child is one of :data:`_WRAPPER_CHILDREN` (a model's own submodule called ``module`` beside others
+    is not a wrapper)."""
+    prefix = ""
+    while True:
+        children = list(model.named_children())
+        if len(children) != 1 or children[0][0] not in _WRAPPER_CHILDREN or \
+                next(model.parameters(recurse=False), None) is not None:
+            return prefix
+        prefix += children[0][0] + "."
+        model = children[0][1]
+
+
+def _clean_name(name: str, prefix: str = "") -> str:
+    """``name`` without the wrappers' ``prefix`` (see :func:`_wrapper_prefix`) and inner wrapper names."""
+    if prefix and name.startswith(prefix):
+        name = name[len(prefix):]
+    for inner in _INNER_WRAPPERS:
+        name = name.replace(inner, ".")
+        if name.startswith(inner[1:]):
+            name = name[len(inner) - 1:]
     return name
 
 
@@ -92,7 +107,8 @@ class ParamIndex:
                 if id(p) in in_opt and id(p) not in seen:
                     raw.append((name, p))
                     seen.add(id(p))
-            clean = [_clean_name(name) for name, _ in raw]
+            prefix = _wrapper_prefix(model)
+            clean = [_clean_name(name, prefix) for name, _ in raw]
             if len(set(clean)) < len(clean):
                 # A wrapper prefix that is not one (a submodule of the model's own called "module" beside
                 # one of the same inner name): the names as the model gives them, or two layers would

@@ -4,6 +4,7 @@ Each case was a bug found by an outside review; each test fails on the code befo
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -505,7 +506,7 @@ def test_a_joining_layer_whose_natural_level_is_far_above_its_first_gradient_is_
        f"counter 'steps' is {v!r}, not an integer >= 0".replace("(", r"\(").replace(")", r"\)"))
       for v in (None, 5.0, math.nan, True, -1, torch.tensor(5))],
     ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}},
-      "counters": {"last_loss": math.inf}}, "counter 'last_loss' is inf, not a finite number or None"),
+      "counters": {"last_loss": "0.5"}}, "counter 'last_loss' is '0.5', not a number or None"),
     ({"format": 99, "policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}},
      "its format is 99; this version reads formats 1 to 2"),
     ({"format": "2", "policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}},
@@ -585,6 +586,20 @@ def test_numpy_counters_load_as_python_numbers():
     json.dumps(opt.guard_state_dict(tensors=False))  # still JSON-native
 
 
+def calibrating_guard(steps: int, **kw: Any) -> GuardedOptimizer:
+    """A guard with auto-calibration on a tiny MLP after ``steps`` steps (calibrated after 12)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), m, log_dir=None, verbose=False,
+                           enable_auto_calibration=True, auto_calibration_warmup_steps=3, warmup_steps=1, **kw)
+    for _ in range(steps):
+        loss = m(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    return opt
+
+
 @pytest.mark.parametrize("part, corrupt", [
     ("rollback", lambda st: st["rollback"]["tensors"].update({k: "x" for k in st["rollback"]["tensors"]})),
     ("pending_update", lambda st: st.update(pending_update={"sq": 4.0, "step": "x"})),
@@ -598,17 +613,7 @@ def test_a_failed_load_names_its_part_and_puts_back_what_guard_state_leaves_out(
     from stabilityguard.errors import ConfigError
 
     def guard(steps):
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-        opt = GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), m, log_dir=None, verbose=False,
-                               enable_auto_calibration=True, auto_calibration_warmup_steps=3, warmup_steps=1,
-                               nan_action="rollback", track_update_size=True)
-        for _ in range(steps):
-            loss = m(torch.randn(8, 4)).pow(2).mean()
-            loss.backward()
-            opt.step(loss=loss)
-            opt.zero_grad()
-        return opt
+        return calibrating_guard(steps, nan_action="rollback", track_update_size=True)
 
     source = guard(12)
     assert source._features.calibrator.calibrated
@@ -668,25 +673,29 @@ def test_weights_loaded_after_the_guard_is_built_are_what_a_refused_step_returns
     assert not model._load_state_dict_post_hooks
 
 
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
+class OwnModule(nn.Module):
+    """A model with a submodule of its own called ``module`` (an EMA holder, say) beside ``fc``."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = _Holder()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(self.module.fc(x))
+
+
 def test_a_submodule_called_module_keeps_its_own_name():
     """'module.' was stripped as if it were DDP's prefix from a submodule of the model's own: beside a sibling
     of the same inner name, two layers became one, and a rollback wrote one layer's weights into the other."""
-    class Holder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.module = Holder()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.fc(self.module.fc(x))
-
     torch.manual_seed(0)
-    m = Net()
+    m = OwnModule()
     opt = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, log_dir=None, verbose=False,
                            nan_action="rollback")
     assert opt.param_index.layer_names == ("module.fc", "fc")
@@ -715,3 +724,84 @@ def test_a_complex_or_bool_loss_tensor_is_a_type_error(loss):
     m(torch.randn(4, 2)).sum().backward()
     with pytest.raises(TypeError, match=r"step\(loss=...\) must be a real-valued tensor"):
         opt.step(loss=loss)
+
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_last_loss_of_an_earlier_version_loads_as_none(value):
+    """Before the counters kept only finite losses, a run that skipped a NaN step saved last_loss NaN; the
+    stricter check refused those checkpoints (a review)."""
+    m = nn.Linear(2, 1)
+    opt = GuardedOptimizer(torch.optim.Adam(m.parameters(), lr=0.1), m, log_dir=None, verbose=False)
+    state = opt.guard_state_dict()
+    state["counters"].update(steps=3, last_loss=value)
+    opt.load_guard_state_dict(state)
+    assert opt.counters.steps == 3 and opt.counters.last_loss is None
+
+
+def test_a_guarded_model_pickles_and_its_copy_is_not_followed():
+    """The load hook was a local closure: torch.save(model) and pickle failed once a guard was built (a
+    review). A copy of the model carries a hook that does nothing."""
+    import copy
+    import pickle
+
+    model = _bn_net()
+    opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, log_dir=None, verbose=False,
+                           nan_action="rollback")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    clone = pickle.loads(pickle.dumps(model))
+    twin = copy.deepcopy(model)
+    for other in (clone, twin):
+        other.load_state_dict(model.state_dict())
+        other(torch.randn(4, 4))  # its hooks run and do nothing
+    assert not opt._loads.pending
+    opt.close()
+
+
+def test_weights_loaded_into_a_submodule_are_followed_once_per_load():
+    """Only the root (and a wrapper's .module) was followed: model.backbone.load_state_dict(pretrained) after
+    the guard was built, and a rollback went back to the random backbone (a review). Every module is
+    followed now, and one load takes one snapshot, at the next forward pass."""
+    model = _bn_net()
+    opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, log_dir=None, verbose=False,
+                           nan_action="rollback")
+    rollback = opt._containment.rollback
+    taken = []
+    original = rollback.snapshot
+    rollback.snapshot = lambda step: (taken.append(step), original(step))[1]
+    pretrained = {k: torch.full_like(v, 0.5) for k, v in model[0].state_dict().items()}
+    model[0].load_state_dict(pretrained)  # the first layer only
+    model.load_state_dict(model.state_dict())  # and the whole model: 5 modules' hooks fire
+    assert taken == []  # flagged, not yet taken
+    x = torch.randn(16, 4)
+    loss = model(x).pow(2).mean()
+    assert taken == [0]  # one snapshot, at the forward pass
+    loss.backward()
+    for p in model[3].parameters():
+        p.grad.fill_(float("nan"))
+    opt.step(loss=loss)
+    assert opt.counters.rollbacks == 1
+    assert all(torch.equal(v, pretrained[k]) for k, v in model[0].state_dict().items())
+    opt.close()
+
+
+def test_layer_names_do_not_depend_on_which_parameters_the_optimizer_holds():
+    """With a submodule called 'module' beside 'fc', the names changed when add_param_group brought the
+    other one in (the baselines learned by 'module.fc' went to 'fc'), and a DDP-style wrapper's own prefix
+    stopped being stripped (a review). Wrappers are recognised by their structure now."""
+    class Wrapper(nn.Module):  # as DDP and DataParallel hold the model
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    m = OwnModule()
+    opt = GuardedOptimizer(torch.optim.SGD(m.module.parameters(), lr=0.1), m, log_dir=None, verbose=False)
+    assert opt.param_index.layer_names == ("module.fc",)
+    opt.add_param_group({"params": list(m.fc.parameters())})
+    assert opt.param_index.layer_names == ("module.fc", "fc")
+    wrapped = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), Wrapper(m), log_dir=None, verbose=False)
+    assert wrapped.param_index.layer_names == ("module.fc", "fc")
+    compiled = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), Wrapper(torch.compile(m)), log_dir=None,
+                                verbose=False)
+    assert compiled.param_index.layer_names == ("module.fc", "fc")

@@ -530,3 +530,21 @@ def test_manual_accumulation_hands_the_guard_the_mean_of_the_step_losses(tmp_pat
     assert len(summaries) == 5 and cb.guard.counters.steps == 5
     for step, losses in module.losses.items():
         assert summaries[step] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_a_failed_callback_state_load_puts_back_what_the_earlier_guards_had_learned(tmp_path):
+    """The put-back reloaded each earlier guard's guard_state_dict(), which leaves out learned thresholds: guard
+    0 kept the other run's calibrated limits (a review)."""
+    from .test_beside import calibrating_guard as guard
+
+    source = guard(12)
+    assert source._features.calibrator.calibrated
+    good = source.guard_state_dict()
+    bad = dict(source.guard_state_dict(), calibration=dict(good["calibration"], thresholds="x"))
+    cb = StabilityGuardCallback(log_dir=None)
+    cb.guards = [guard(1), guard(1)]
+    det = cb.guards[0]._detector
+    before = (det.limits, det.suspended, cb.guards[0].guard_state_dict(tensors=False))
+    with pytest.raises(ConfigError, match="guard 1 could not be loaded: its 'calibration' part failed"):
+        cb.load_state_dict({"guards": [good, bad]})
+    assert (det.limits, det.suspended, cb.guards[0].guard_state_dict(tensors=False)) == before

@@ -143,6 +143,35 @@ def test_a_log_deleted_during_the_run_is_written_again_whole(run_factory, caplog
         [4, 9, 14, 19, 24, 29, 34, 39]
 
 
+def test_two_sinks_on_one_deleted_log_write_it_again_once(tmp_path):
+    """Two guards with one run id (Lightning's callback builds one per optimizer from the same settings) share
+    a file: each read the deleted file back and wrote it again (a review)."""
+    import collections
+
+    torch.manual_seed(0)
+    models = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opts = [GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01), m, log_dir=tmp_path, verbose=False,
+                             run_id="gan", log_every=1) for m in models]
+
+    def steps(n):
+        for _ in range(n):
+            for o, m in zip(opts, models):
+                m(torch.randn(8, 4)).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+
+    steps(3)
+    path = tmp_path / "events-gan.jsonl"
+    before = path.read_text().splitlines()
+    path.unlink()
+    steps(1)
+    after = path.read_text().splitlines()
+    assert after[:len(before)] == before and len(after) == len(before) + 2
+    assert not [line for line, n in collections.Counter(after).items() if n > 1]
+    for o in opts:
+        o.close()
+
+
 @pytest.mark.parametrize("kwargs, says", [
     ({"max_pending": 0}, "max_pending must be an integer >= 1 .*got 0"),
     ({"max_pending": -1}, "max_pending must be an integer >= 1 .*got -1"),

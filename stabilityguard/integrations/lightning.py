@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -315,15 +315,15 @@ class StabilityGuardCallback(_pl.Callback):
         if len(states) != len(self.guards):
             raise ConfigError(f"the StabilityGuardCallback state holds {len(states)} guard state(s) but this fit has "
                               f"{len(self.guards)} guarded optimizer(s); a checkpoint resumes the same optimizers")
-        loaded: List[Tuple[GuardedOptimizer, Dict[str, Any]]] = []
+        put_back: List[Callable[[], None]] = []
         try:
             for i, (g, st) in enumerate(zip(self.guards, states)):
-                before = g.guard_state_dict()
+                restore = g._guard_backup()
                 g.load_guard_state_dict(st, where=f"the StabilityGuardCallback state's guard {i}")
-                loaded.append((g, before))
+                put_back.append(restore)
         except ConfigError:
-            for g, before in loaded:
-                g.load_guard_state_dict(before)
+            for restore in put_back:
+                restore()
             raise
 
 

@@ -88,6 +88,10 @@ class JsonlSink:
         holds back into the pending lines, so the next open writes the whole log again."""
         if self._fd is None or os.fstat(self._fd).st_nlink > 0:
             return
+        assert self.path is not None
+        if self.path.exists():  # another sink on the same file (same run id) wrote it again already
+            self._close_fd()
+            return
         size, chunks, offset = os.fstat(self._fd).st_size, [], 0
         while offset < size:
             chunk = os.pread(self._fd, min(size - offset, 1 << 20), offset)
