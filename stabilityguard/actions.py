@@ -292,7 +292,9 @@ class LoadFollower:
     refused step returns to: a ``load_state_dict`` post-hook on every module of the model (a load of the
     whole model or of one submodule, through any wrapper) flags the load, and the model's next forward
     pass (a pre-hook) or the guard's next step, whichever comes first, hands the loaded state to
-    :meth:`Containment.model_loaded`, once per load. Per forward pass: one flag read.
+    :meth:`Containment.model_loaded`, once per load. Per forward pass: one flag read. Under
+    ``torch.compile`` the pre-hook does nothing (no guard, no graph break) and the step hands the load
+    over: parameters and optimizer state as loaded, module buffers as that step's forward pass left them.
 
     Holds the guard weakly (the model does not keep it alive); pickled or copied with the model, it is a
     hook that does nothing (a copy of a model has no guard). :meth:`remove` takes the hooks off.
@@ -314,7 +316,9 @@ class LoadFollower:
         self.pending = True
 
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self.pending:
+        # Not inside torch.compile: traced, the flush would compile the snapshot's copies and its flag would
+        # be a guard (a recompile per load); a compiled model's load is handed over at the next step.
+        if not torch.compiler.is_compiling() and self.pending:
             self.flush()
 
     def flush(self) -> None:

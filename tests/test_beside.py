@@ -805,3 +805,36 @@ def test_layer_names_do_not_depend_on_which_parameters_the_optimizer_holds():
     compiled = GuardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), Wrapper(torch.compile(m)), log_dir=None,
                                 verbose=False)
     assert compiled.param_index.layer_names == ("module.fc", "fc")
+
+
+def test_a_compiled_model_keeps_one_graph_and_its_loads_are_still_followed():
+    """The load follower's forward pre-hook ran inside torch.compile: its flag became a guard and the flush
+    compiled the snapshot's copies (8 recompiles after one load). Under compile it does nothing now
+    (fullgraph works) and the step hands the load over."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = GuardedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3), m, log_dir=None, verbose=False,
+                           nan_action="rollback")
+    compiled = torch.compile(m, backend="eager", fullgraph=True)
+    pretrained = {k: torch.full_like(v, 0.25) for k, v in m.state_dict().items()}
+    for step in range(6):
+        if step == 3:
+            m.load_state_dict(pretrained)
+        loss = compiled(torch.randn(32, 8)).pow(2).mean()
+        loss.backward()
+        if step == 3:
+            for p in m[2].parameters():
+                p.grad.fill_(float("nan"))
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if step == 3:
+            assert opt.counters.rollbacks == 1
+            assert all(torch.equal(v, pretrained[k]) for k, v in m.state_dict().items())
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    opt.close()
+    torch._dynamo.reset()

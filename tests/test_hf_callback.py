@@ -250,6 +250,7 @@ def test_a_second_callback_on_the_same_model_replaces_the_hooks_of_a_crashed_one
     transformers.Trainer(model=model, args=args, train_dataset=make_dataset(model=model),
                          callbacks=[StepTracker(model), second]).train()
     assert second.guard.counters.steps == 6 and first.guard.counters.steps == 4  # the old hooks are gone
+    assert first.guard._loads is not None and not first.guard._loads._handles  # the crashed run's guard closed
     assert len(model._forward_hooks) == 0 and len(model._forward_pre_hooks) == 0  # removed at train end
 
 

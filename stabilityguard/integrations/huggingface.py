@@ -47,6 +47,9 @@ STATE_KEY = "stabilityguard"
 # Hooks a callback left on a model (e.g. after a run that ended with an exception): a later callback
 # removes them before adding its own, so an old callback never acts on a new run.
 _hooks_on_model: "weakref.WeakKeyDictionary[torch.nn.Module, List[Any]]" = weakref.WeakKeyDictionary()
+# The guard a callback built for a model: one left by a train() that ended with an exception (never closed,
+# so no run_end, and its hooks still on the model) is closed when a later callback builds its own.
+_guard_of_model: "weakref.WeakKeyDictionary[torch.nn.Module, GuardedOptimizer]" = weakref.WeakKeyDictionary()
 
 
 def _gradient_state() -> Any:
@@ -296,10 +299,15 @@ class StabilityGuardCallback(TrainerCallback):
             previous = None
             if isinstance(inner, GuardedOptimizer):  # ours, from an earlier train() of this Trainer
                 previous, inner = inner.guard_state_dict(), inner.base_optimizer
+            stale = _guard_of_model.get(model) if isinstance(model, torch.nn.Module) else None
+            if stale is not None:
+                stale.close()  # closed already unless its train() ended with an exception
             self._clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
             sinks = self.sinks + self._auto_bridges(args)
             self.guard = GuardedOptimizer(inner, model, clip_grad_norm=self._clip, sinks=sinks, **self.guard_kwargs)
             self._own_guards.add(self.guard)
+            if isinstance(model, torch.nn.Module):
+                _guard_of_model[model] = self.guard
             self._install(holder, self.guard)
             if previous is not None:
                 self._load_guard_state(previous)
@@ -548,8 +556,10 @@ class StabilityGuardCallback(TrainerCallback):
         exception (and left these hooks on the model)."""
         if not (self._in_step and self.guard is not None and module.training and torch.is_grad_enabled()):
             return False
-        trainer = self._trainer() if self._trainer is not None else None
-        return self._trainer is None or (trainer is not None and _called_by(trainer))
+        if self._trainer is None or torch.compiler.is_compiling():  # (a frame walk would break the graph)
+            return True
+        trainer = self._trainer()
+        return trainer is not None and _called_by(trainer)
 
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         key = self.index_key
