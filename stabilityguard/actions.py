@@ -35,6 +35,29 @@ def skip_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def with_lr_factor(optimizer: torch.optim.Optimizer, factor: float, step: Any) -> Any:
+    """``step`` run with every parameter group's LR times ``factor``, the LRs restored after it (also when
+    it raises), so an LR scheduler never sees the change.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        >>> with_lr_factor(opt, 0.5, lambda: opt.param_groups[0]["lr"])(), opt.param_groups[0]["lr"]
+        (0.05, 0.1)
+    """
+    def scaled() -> Any:
+        groups = optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        try:
+            for g in groups:
+                g["lr"] = g["lr"] * factor
+            return step()
+        finally:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+
+    return scaled
+
+
 def owned_buffers(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
     """The named buffers of the modules that own ``params`` (see the module docstring), model order.
 
@@ -427,12 +450,13 @@ class Containment:
         return {"action": action, "rollback_to_step": to, "momentum_reset": reset, "lr_factor": lr_factor}
 
     def take(self, step: int, index: Any, collector: Any, layer_norms: List[float], global_norm: float,
-             factors: Optional[Sequence[float]], measured: bool = False) -> Optional[List[float]]:
+             factors: Optional[Sequence[float]], measured: bool = False,
+             lr_factor: Optional[float] = None) -> Optional[List[float]]:
         """Take step ``step``: :meth:`scale` (``factors``: an outlier's, or ``None``), the per-layer clip,
-        the wrapped step (SPAM's LR factor around it; with ``track_update_size`` measured by ``collector``),
-        the snapshot schedule. Returns the layer norms the per-layer clip clipped, if it did. ``measured``:
-        the norms came from ``measure()`` and the gradients may have been clipped since, so neither
-        ``clip_grad_norm`` nor the per-layer clip is applied (said once)."""
+        the wrapped step (SPAM's LR factor and ``lr_factor`` around it; with ``track_update_size``
+        measured by ``collector``), the snapshot schedule. Returns the layer norms the per-layer clip
+        clipped, if it did. ``measured``: the norms came from ``measure()`` and the gradients may have been
+        clipped since, so neither ``clip_grad_norm`` nor the per-layer clip is applied (said once)."""
         features = self.features
         max_norm = self.config.clip_grad_norm
         if measured and (max_norm is not None or features.clipper is not None):
@@ -446,6 +470,8 @@ class Containment:
             layer_norms = self.scale(index, layer_norms, global_norm, factors, max_norm)
         clipped = not measured and features.clipper is not None and features.clipper.apply(layer_norms)
         update = features.spam.step if features.spam is not None else self.optimizer.step
+        if lr_factor is not None and lr_factor < 1.0:
+            update = with_lr_factor(self.optimizer, lr_factor, update)
         if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
             collector.measure_update(update, step)
         else:

@@ -93,6 +93,12 @@ class GuardConfig:
     """How far the loss's fast EMA must rise above its recent level, in units of the loss's own
     step-to-step noise, to begin an instability (> 0)."""
 
+    instability_lr: Optional[float] = 0.5
+    """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor; the
+    LR the scheduler set is restored right after the step, so schedules go on undisturbed (in (0, 1];
+    ``None``: off). Not in ``monitor`` mode. Needs what the hold needs (``graded_response``,
+    ``instability_clip`` on, a loss). Measured in ``bench/protection.py`` (README, "Protection")."""
+
     spike_jump: Optional[float] = 4.0
     """A critical spike must be sudden: besides a ratio over ``spike_threshold``, the layer's norm must be
     over this many times its norm at the last accepted step (>= 1). A layer that grew past
@@ -279,6 +285,7 @@ class GuardConfig:
         _check_number("outlier_ratio", self.outlier_ratio, low=1.0, low_inclusive=False)
         _check_number("instability_clip", self.instability_clip, low=0.0, low_inclusive=False, none_ok=True)
         _check_number("instability_z", self.instability_z, low=0.0, low_inclusive=False)
+        _check_number("instability_lr", self.instability_lr, low=0.0, low_inclusive=False, high=1.0, none_ok=True)
         _check_number("spike_jump", self.spike_jump, low=1.0, none_ok=True)
         _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False, none_ok=True)
         _check_int("loss_window", self.loss_window, low=20, high=MAX_WINDOW)

@@ -97,6 +97,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._from_measure = False
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
+        self._step_lr_factor: Optional[float] = None  # instability_lr's factor on the current step
         self._features = Features(config, base_opt)
         self._containment = Containment(base_opt, config, self._features)
         self.dispatcher, self._writes = build_dispatcher(config, self.rank, extra_sinks)
@@ -277,6 +278,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._pending_loss = None
         step = self.counters.steps
         self._clip_input = None
+        self._step_lr_factor = None
         stats, self._measured = self._measured, None
         self._from_measure = stats is not None
         if stats is None:
@@ -306,7 +308,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._log.recorder.open:  # flight records fall due only after an incident
             self._log.flight_records(step)
         if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
-            self._log.summary(step, stats, self._lr(), *self._features.post_clip(self._clip_input))
+            lr = self._lr()  # the LR this step used (instability_lr: smaller during an instability)
+            lr = lr * self._step_lr_factor if lr is not None and self._step_lr_factor is not None else lr
+            self._log.summary(step, stats, lr, *self._features.post_clip(self._clip_input))
         if error is not None:
             raise error
         return loss
@@ -339,11 +343,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
             factors, record = verdict.factors, "clip"
             self.counters.clipped += 1
             self._log.events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
+        # During a loss instability the step is taken with a smaller LR (instability_lr), not in monitor mode.
+        lr_factor = self.config.instability_lr if (self._policy.unstable and self.config.nan_action != "monitor") \
+            else None
+        self._step_lr_factor = lr_factor
         self._clip_input = self._containment.take(step, self._index, self._collector, stats.layer_norms,
-                                                  stats.global_norm, factors, self._from_measure)
+                                                  stats.global_norm, factors, self._from_measure, lr_factor)
         self.counters.accepted += 1
         if decision is not None:
-            self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, self._lr(),
+            lr = self._lr()
+            lr = lr * lr_factor if lr is not None and lr_factor is not None else lr  # the LR the step used
+            self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, lr,
                              verdict.loss_z if verdict is not None else None)
 
     def _lr(self) -> Optional[float]:

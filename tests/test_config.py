@@ -30,6 +30,9 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
         ({"log_dir": 3}, r"log_dir must be a path .*got 3"),
         ({"run_id": ""}, r"run_id must be a non-empty string or None; got ''"),
         ({"clip_grad_norm": 0.0}, r"clip_grad_norm must be a finite number > 0 or None; got 0.0"),
+        ({"instability_lr": 0.0}, r"instability_lr must be a finite number > 0 and <= 1 or None; got 0.0"),
+        ({"instability_lr": 1.5}, r"instability_lr must be .*got 1.5"),
+        ({"instability_lr": "0.5"}, r"instability_lr must be .*got '0.5'"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, pattern):
@@ -117,9 +120,11 @@ def test_number_types_are_stored_as_plain_python_values():
     np = pytest.importorskip("numpy")
     cfg = GuardConfig(log_dir=None, verbose=False, coherent_share=np.float64(0.5), ema_alpha=np.float64(0.1),
                       spike_threshold=Fraction(21, 2), nan_action=np.str_("skip"), log_every=np.int64(5),
-                      calm_shift_steps=np.int32(3), early_clip=np.bool_(True), outlier_ratio=torch.tensor(4.0))
+                      calm_shift_steps=np.int32(3), early_clip=np.bool_(True), outlier_ratio=torch.tensor(4.0),
+                      instability_lr=np.float32(0.25))
     plain = {"coherent_share": float, "ema_alpha": float, "spike_threshold": float, "nan_action": str,
-             "log_every": int, "calm_shift_steps": int, "early_clip": bool, "outlier_ratio": float}
+             "log_every": int, "calm_shift_steps": int, "early_clip": bool, "outlier_ratio": float,
+             "instability_lr": float}
     for name, kind in plain.items():
         assert type(getattr(cfg, name)) is kind, name
     assert cfg.spike_threshold == 10.5

@@ -181,3 +181,43 @@ def test_helene_resume_is_bit_for_bit_in_other_dtypes(dtype):
     assert opt2._features.clipper.thresholds.dtype == dtype
     train(m2, opt2, 10, 30)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+@pytest.mark.parametrize("cfg, applied", [({}, True), ({"instability_lr": 0.2}, True), ({"instability_lr": None}, False),
+                                          ({"nan_action": "monitor"}, False)])
+def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
+    """instability_lr: while the loss trend says the run is unstable (the RISE scenario), the wrapped optimizer
+    steps with its LR times the factor; the LR is back at once after each step (a scheduler never sees it),
+    and the flight recorder shows the LR the step used. Off with None and in monitor mode."""
+    batches = _batches()
+    model, opt = _build(cfg)
+    seen = []  # (LR at the wrapped step, unstable)
+    opt.base_optimizer.register_step_pre_hook(
+        lambda o, args, kwargs: seen.append((o.param_groups[0]["lr"], opt._policy.unstable)))
+    after = []
+    for step in range(STEPS):
+        _train(model, opt, batches, step, step + 1, rise=True)
+        after.append(opt.param_groups[0]["lr"])
+    factor = cfg.get("instability_lr", 0.5) if applied else 1.0
+    during = {lr for lr, unstable in seen if unstable}
+    outside = {lr for lr, unstable in seen if not unstable}
+    assert during and outside == {3e-3} and set(after) == {3e-3}
+    assert during == {3e-3 * factor}  # the same float product the guard computes
+    recorded = {row["lr"] for row in opt.recorder.window()}
+    assert recorded <= {3e-3, 3e-3 * factor} and (not applied or len(recorded) == 2)
+    opt.close()
+
+
+def test_summaries_show_the_lr_the_step_used():
+    batches = _batches()
+    model, opt = _build({"log_every": 1})
+    summaries = []
+    opt.add_sink(type("Capture", (), {"emit": lambda self, e: summaries.append(e) if e.kind == "step_summary"
+                                      else None})())
+    unstable = []
+    for step in range(STEPS):
+        _train(model, opt, batches, step, step + 1, rise=True)
+        unstable.append(opt._step_lr_factor is not None)
+    assert any(unstable)
+    assert [s.lr for s in summaries] == [1.5e-3 if u else 3e-3 for u in unstable]
+    opt.close()
