@@ -312,12 +312,11 @@ class RollbackManager:
 
 class LoadFollower:
     """Follows weights loaded into the guard's model after the guard was built, so that they are what a
-    refused step returns to: a ``load_state_dict`` post-hook on every module of the model (a load of the
-    whole model or of one submodule, through any wrapper) flags the load, and the model's next forward
-    pass (a pre-hook) or the guard's next step, whichever comes first, hands the loaded state to
-    :meth:`Containment.model_loaded`, once per load. Per forward pass: one flag read. Under
-    ``torch.compile`` the pre-hook does nothing (no guard, no graph break) and the step hands the load
-    over: parameters and optimizer state as loaded, module buffers as that step's forward pass left them.
+    refused step returns to: ``load_state_dict`` pre- and post-hooks on every module of the model (a load
+    of the whole model or of one submodule, through any wrapper). torch runs the pre-hooks of a load top
+    down and its post-hooks bottom up, so the load is complete when the count of open pre-hooks is back
+    to zero: then, once per load, the loaded state goes to :meth:`Containment.model_loaded`. A load that
+    raised half-way is handed over at the guard's next step. Nothing runs in the forward pass.
 
     Holds the guard weakly (the model does not keep it alive); pickled or copied with the model, it is a
     hook that does nothing (a copy of a model has no guard). :meth:`remove` takes the hooks off.
@@ -332,23 +331,27 @@ class LoadFollower:
         self._ref: Optional[Any] = weakref.ref(containment)
         self._counters = counters
         self.pending = False
-        self._handles = [m.register_load_state_dict_post_hook(self.loaded) for m in model.modules()]
-        self._handles.append(model.register_forward_pre_hook(self.before_forward))
+        self._open = 0  # pre-hooks of the load under way whose post-hooks have not run yet
+        self._handles: List[Any] = []
+        for m in model.modules():
+            self._handles.append(m.register_load_state_dict_pre_hook(self.loading))
+            self._handles.append(m.register_load_state_dict_post_hook(self.loaded))
 
-    def loaded(self, module: torch.nn.Module, incompatible: Any) -> None:
+    def loading(self, module: torch.nn.Module, *args: Any) -> None:
+        self._open += 1
         self.pending = True
 
-    def before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        # Not inside torch.compile: traced, the flush would compile the snapshot's copies and its flag would
-        # be a guard (a recompile per load); a compiled model's load is handed over at the next step.
-        if not torch.compiler.is_compiling() and self.pending:
+    def loaded(self, module: torch.nn.Module, incompatible: Any) -> None:
+        self._open -= 1
+        if self._open <= 0:  # the outermost module of this load: everything below it is loaded
             self.flush()
 
     def flush(self) -> None:
-        """Hand a load flagged since the last flush to the guard (called at each step too)."""
+        """Hand a load flagged since the last flush to the guard (also called at each step)."""
         if not self.pending:
             return
         self.pending = False
+        self._open = 0
         containment = self._ref() if self._ref is not None else None
         if containment is not None:
             containment.model_loaded(self._counters.steps)
@@ -362,7 +365,7 @@ class LoadFollower:
         return {}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self._ref, self._counters, self.pending, self._handles = None, None, False, []
+        self._ref, self._counters, self.pending, self._open, self._handles = None, None, False, 0, []
 
 
 class Containment:

@@ -267,7 +267,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if self._loads is not None:
-            self._loads.flush()  # weights loaded since the last step and no forward pass of the model since
+            self._loads.flush()  # a load that raised half-way (a complete one was handed over as it ended)
         loss, given = call_closure(closure, loss)  # the closure may call skip_next_step or observe_loss
         if self._pending_loss is not None and (given is None or closure is not None):
             given = self._pending_loss  # handed over explicitly: wins over the closure's result

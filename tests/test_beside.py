@@ -762,7 +762,7 @@ def test_a_guarded_model_pickles_and_its_copy_is_not_followed():
 def test_weights_loaded_into_a_submodule_are_followed_once_per_load():
     """Only the root (and a wrapper's .module) was followed: model.backbone.load_state_dict(pretrained) after
     the guard was built, and a rollback went back to the random backbone (a review). Every module is
-    followed now, and one load takes one snapshot, at the next forward pass."""
+    followed now, and one load takes one snapshot, when it is complete."""
     model = _bn_net()
     opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, log_dir=None, verbose=False,
                            nan_action="rollback")
@@ -772,11 +772,11 @@ def test_weights_loaded_into_a_submodule_are_followed_once_per_load():
     rollback.snapshot = lambda step: (taken.append(step), original(step))[1]
     pretrained = {k: torch.full_like(v, 0.5) for k, v in model[0].state_dict().items()}
     model[0].load_state_dict(pretrained)  # the first layer only
+    assert taken == [0]
     model.load_state_dict(model.state_dict())  # and the whole model: 5 modules' hooks fire
-    assert taken == []  # flagged, not yet taken
+    assert taken == [0, 0]  # one snapshot per load, not per module
     x = torch.randn(16, 4)
     loss = model(x).pow(2).mean()
-    assert taken == [0]  # one snapshot, at the forward pass
     loss.backward()
     for p in model[3].parameters():
         p.grad.fill_(float("nan"))
