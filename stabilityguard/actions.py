@@ -46,10 +46,11 @@ def with_lr_factor(optimizer: torch.optim.Optimizer, factor: float, step: Any) -
     """
     def scaled() -> Any:
         groups = optimizer.param_groups
-        saved = [g["lr"] for g in groups]
+        saved = [g.get("lr") for g in groups]
         try:
-            for g in groups:
-                g["lr"] = g["lr"] * factor
+            for g, lr in zip(groups, saved):
+                if isinstance(lr, (int, float, torch.Tensor)) and not isinstance(lr, bool):
+                    g["lr"] = lr * factor  # (an optimizer without an LR of its own, Adafactor's None: as is)
             return step()
         finally:
             for g, lr in zip(groups, saved):
@@ -333,9 +334,16 @@ class LoadFollower:
         self.pending = False
         self._open = 0  # pre-hooks of the load under way whose post-hooks have not run yet
         self._handles: List[Any] = []
+        self._hooked: Set[int] = set()
+        self.follow(model)
+
+    def follow(self, model: torch.nn.Module) -> None:
+        """Hook the model's modules not hooked yet (a submodule attached after the guard was built)."""
         for m in model.modules():
-            self._handles.append(m.register_load_state_dict_pre_hook(self.loading))
-            self._handles.append(m.register_load_state_dict_post_hook(self.loaded))
+            if id(m) not in self._hooked:
+                self._hooked.add(id(m))
+                self._handles.append(m.register_load_state_dict_pre_hook(self.loading))
+                self._handles.append(m.register_load_state_dict_post_hook(self.loaded))
 
     def loading(self, module: torch.nn.Module, *args: Any) -> None:
         self._open += 1
@@ -359,13 +367,13 @@ class LoadFollower:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._hooked = [], set()
 
     def __getstate__(self) -> Dict[str, Any]:
         return {}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self._ref, self._counters, self.pending, self._open, self._handles = None, None, False, 0, []
+        self._ref, self._counters, self.pending, self._open, self._handles, self._hooked = None, None, False, 0, [], set()
 
 
 class Containment:
@@ -390,6 +398,7 @@ class Containment:
         self.buffers = BufferGuard([])
         self.rollback: Optional[RollbackManager] = None
         self._warned_measured = False
+        self.lr_factor: Optional[float] = None  # instability_lr's factor on the step being taken (None: none)
 
     def reindex(self, model: Optional[torch.nn.Module], index: Any, step: int) -> None:
         """Follow a new parameter index: guard the owned buffers, one group per module; with rollback,
@@ -413,6 +422,7 @@ class Containment:
         """Discard the step's gradients, put back the buffers its forward pass wrote (and mark them: they are
         the state the next refused step returns to); count it as skipped."""
         skip_step(self.optimizer)
+        self.lr_factor = None
         self.buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
         self.buffers.mark()
         counters.skipped += 1
@@ -454,12 +464,13 @@ class Containment:
 
     def take(self, step: int, index: Any, collector: Any, layer_norms: List[float], global_norm: float,
              factors: Optional[Sequence[float]], measured: bool = False,
-             lr_factor: Optional[float] = None) -> Optional[List[float]]:
+             unstable: bool = False) -> Optional[List[float]]:
         """Take step ``step``: :meth:`scale` (``factors``: an outlier's, or ``None``), the per-layer clip,
-        the wrapped step (SPAM's LR factor and ``lr_factor`` around it; with ``track_update_size``
-        measured by ``collector``), the snapshot schedule. Returns the layer norms the per-layer clip
-        clipped, if it did. ``measured``: the norms came from ``measure()`` and the gradients may have been
-        clipped since, so neither ``clip_grad_norm`` nor the per-layer clip is applied (said once)."""
+        the wrapped step (SPAM's LR factor around it, and ``instability_lr`` while the loss is
+        ``unstable``, not in monitor mode: :attr:`lr_factor`; with ``track_update_size`` measured by
+        ``collector``), the snapshot schedule. Returns the layer norms the per-layer clip clipped, if it
+        did. ``measured``: the norms came from ``measure()`` and the gradients may have been clipped since,
+        so neither ``clip_grad_norm`` nor the per-layer clip is applied (said once)."""
         features = self.features
         max_norm = self.config.clip_grad_norm
         if measured and (max_norm is not None or features.clipper is not None):
@@ -473,8 +484,11 @@ class Containment:
             layer_norms = self.scale(index, layer_norms, global_norm, factors, max_norm)
         clipped = not measured and features.clipper is not None and features.clipper.apply(layer_norms)
         update = features.spam.step if features.spam is not None else self.optimizer.step
+        lr_factor = self.config.instability_lr if unstable and self.config.nan_action != "monitor" else None
         if lr_factor is not None and lr_factor < 1.0:
             update = with_lr_factor(self.optimizer, lr_factor, update)
+        used = (lr_factor or 1.0) * (features.spam.factor if features.spam is not None else 1.0)
+        self.lr_factor = used if used < 1.0 else None  # both LR factors of this step, for its records
         if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
             collector.measure_update(update, step)
         else:

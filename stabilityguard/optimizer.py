@@ -97,7 +97,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._from_measure = False
         self._measured: Optional[GradStats] = None
         self._clip_input: Optional[List[float]] = None
-        self._step_lr_factor: Optional[float] = None  # instability_lr's factor on the current step
         self._features = Features(config, base_opt)
         self._containment = Containment(base_opt, config, self._features)
         self.dispatcher, self._writes = build_dispatcher(config, self.rank, extra_sinks)
@@ -112,6 +111,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                             __version__)
         self._finalizer = weakref.finalize(self, finish_run, self.dispatcher, self.counters, self.run_id, self.rank)
         self._loads = LoadFollower(model, self._containment, self.counters) if model is not None else None
+        if self._loads is not None:  # a guard dropped without close(): its hooks leave the model with it
+            weakref.finalize(self, self._loads.remove)
 
     # ----------------------------------------------------------------------------- plumbing
     def _share_base(self) -> None:
@@ -159,6 +160,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.base_optimizer.add_param_group(param_group)
         self._share_base()
         self._build_index()
+        if self._loads is not None:
+            self._loads.follow(self.model)  # a submodule attached since (a new head) is followed too
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients (delegates to the wrapped optimizer)."""
@@ -278,7 +281,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._pending_loss = None
         step = self.counters.steps
         self._clip_input = None
-        self._step_lr_factor = None
+        self._containment.lr_factor = None
         stats, self._measured = self._measured, None
         self._from_measure = stats is not None
         if stats is None:
@@ -308,9 +311,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._log.recorder.open:  # flight records fall due only after an incident
             self._log.flight_records(step)
         if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
-            lr = self._lr()  # the LR this step used (instability_lr: smaller during an instability)
-            lr = lr * self._step_lr_factor if lr is not None and self._step_lr_factor is not None else lr
-            self._log.summary(step, stats, lr, *self._features.post_clip(self._clip_input))
+            self._log.summary(step, stats, self._lr(), *self._features.post_clip(self._clip_input))
         if error is not None:
             raise error
         return loss
@@ -343,22 +344,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
             factors, record = verdict.factors, "clip"
             self.counters.clipped += 1
             self._log.events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
-        # During a loss instability the step is taken with a smaller LR (instability_lr), not in monitor mode.
-        lr_factor = self.config.instability_lr if (self._policy.unstable and self.config.nan_action != "monitor") \
-            else None
-        self._step_lr_factor = lr_factor
         self._clip_input = self._containment.take(step, self._index, self._collector, stats.layer_norms,
-                                                  stats.global_norm, factors, self._from_measure, lr_factor)
+                                                  stats.global_norm, factors, self._from_measure,
+                                                  self._policy.unstable)
         self.counters.accepted += 1
         if decision is not None:
-            lr = self._lr()
-            lr = lr * lr_factor if lr is not None and lr_factor is not None else lr  # the LR the step used
-            self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, lr,
+            self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, self._lr(),
                              verdict.loss_z if verdict is not None else None)
 
     def _lr(self) -> Optional[float]:
-        """The first parameter group's LR (what records and summaries show)."""
-        return self.param_groups[0].get("lr") if self.param_groups else None
+        """The first parameter group's LR as this step used it (what records and summaries show)."""
+        lr = self.param_groups[0].get("lr") if self.param_groups else None
+        factor = self._containment.lr_factor  # instability_lr's, on a step taken during an instability
+        return lr * factor if lr is not None and factor is not None else lr
 
     def _incident(self, nonfinite: bool, step: int, stats: GradStats, verdict: Optional[Verdict],
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:

@@ -838,3 +838,34 @@ def test_a_compiled_model_keeps_one_graph_and_its_loads_are_still_followed():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     opt.close()
     torch._dynamo.reset()
+
+
+def test_a_guard_dropped_without_close_takes_its_load_hooks_with_it():
+    """The model held the load follower's hooks strongly: every guard rebuilt on the same model (a notebook,
+    a sweep) left its hooks behind (200 guards: 200 hooks per module; a review)."""
+    import gc
+
+    model = _bn_net()
+    for _ in range(3):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, verbose=False)
+    gc.collect()
+    assert all(not m._load_state_dict_pre_hooks and not m._load_state_dict_post_hooks for m in model.modules())
+
+
+def test_a_head_attached_later_and_added_to_the_optimizer_is_followed():
+    """Hooks were registered on the modules there at construction only: a head attached later, added with
+    add_param_group and then loaded, kept its random weights as the rollback target (a review)."""
+    model = _bn_net()
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, verbose=False,
+                           nan_action="rollback")
+    model.head = nn.Linear(2, 2)
+    opt.add_param_group({"params": list(model.head.parameters())})
+    pretrained = {k: torch.full_like(v, 7.0) for k, v in model.head.state_dict().items()}
+    model.head.load_state_dict(pretrained)
+    x = torch.randn(16, 4)
+    loss = model.head(model(x)).pow(2).mean()
+    loss.backward()
+    model.head.weight.grad.fill_(float("nan"))
+    opt.step(loss=loss)
+    assert opt.counters.rollbacks == 1 and torch.equal(model.head.weight, pretrained["weight"])
+    opt.close()
