@@ -259,6 +259,9 @@ class GradStatsCollector:
         self._layer_parts = [_parts_getter(members) for members in self._members]
         kinds = {(p.device, p.dtype) for p in index.params}
         self._uniform = len(kinds) == 1
+        # Sharded (FSDP2 DTensor) parameters take the distributed path even in one process: it reads the
+        # local shards (a DTensor has no .tolist()).
+        self._sharded = any(hasattr(p, "to_local") for p in index.params)
         self._norm_dtype: Optional[torch.dtype] = None
         if self._uniform:
             (_, dtype), = kinds
@@ -295,7 +298,7 @@ class GradStatsCollector:
     def collect(self, loss: LossLike = None) -> GradStats:
         """Measure the current ``.grad`` of every watched parameter (and the loss, if given)."""
         grads = [p.grad for p in self._params]
-        if self._world > 1:
+        if self._world > 1 or self._sharded:
             return self._collect_distributed(grads, loss)
         norms = None
         if self._uniform:
