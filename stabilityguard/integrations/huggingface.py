@@ -107,13 +107,19 @@ def _calling_trainer() -> Tuple[Any, Any]:
     return None, None
 
 
+#: The Trainer's methods a training forward pass runs under (only their frames' locals are read: reading a
+#: frame's locals copies them).
+_TRAINER_FRAMES = frozenset({"compute_loss", "training_step", "_inner_training_loop", "train"})
+
+
 def _called_by(obj: Any, depth: int = 32) -> bool:
-    """Is a method of ``obj`` on the call stack (within ``depth`` frames above the caller's caller)?"""
+    """Is one of the Trainer methods in :data:`_TRAINER_FRAMES` of ``obj`` on the call stack (within ``depth``
+    frames above the caller's caller)?"""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_locals.get("self") is obj:
+        if frame.f_code.co_name in _TRAINER_FRAMES and frame.f_locals.get("self") is obj:
             return True
         frame = frame.f_back
     return False
