@@ -373,7 +373,8 @@ class LoadFollower:
         return {}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self._ref, self._counters, self.pending, self._open, self._handles, self._hooked = None, None, False, 0, [], set()
+        self._ref, self._counters, self.pending, self._open = None, None, False, 0
+        self._handles, self._hooked = [], set()
 
 
 class Containment:

@@ -442,14 +442,32 @@ def _check_number(
 MAX_WINDOW = 10**9
 
 
-def _check_int(name: str, value: Any, *, low: int, high: Optional[int] = None, none_ok: bool = False) -> None:
+def _check_int(name: str, value: Any, *, low: int, high: Optional[int] = None, none_ok: bool = False,
+               note: str = "") -> None:
     if none_ok and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low \
             or (high is not None and value > high):
         top = f" and <= {high:,}" if high is not None and isinstance(value, numbers.Integral) and value > high else ""
-        raise ConfigError(f"{name} must be an integer >= {low}{top}{' or None' if none_ok else ''}; "
-                          f"got {shown(value)}")
+        raise ConfigError(f"{name} must be an integer >= {low}{top}{' or None' if none_ok else ''}"
+                          f"{f' ({note})' if note else ''}; got {shown(value)}")
+
+
+def check_int(name: str, value: Any, *, low: int, high: Optional[int] = None, none_ok: bool = False,
+              note: str = "") -> Any:
+    """An integer argument outside :class:`GuardConfig` (a sink's, a bridge's, the report reader's),
+    checked as the settings are: numpy and tensor scalars become plain ints; anything else, a bool, or
+    a value out of range is a ``ConfigError`` naming ``name``, the allowed range (``note`` says what it
+    is for) and the value.
+
+    Example:
+        >>> import numpy as np
+        >>> check_int("max_pending", np.int64(5), low=1)
+        5
+    """
+    value = native(value)
+    _check_int(name, value, low=low, high=high, none_ok=none_ok, note=note)
+    return value
 
 
 def shown(value: Any) -> str:

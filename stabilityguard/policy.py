@@ -232,8 +232,8 @@ class GuardPolicy:
         parameter's layer by index) with the settings of a :class:`~stabilityguard.GuardConfig`."""
         n = len(layer_names)
         names = [f"layer:{x}" for x in layer_names] + [f"param:{x}" for x in param_names]
-        return cls(names, n, list(range(n)) + list(layer_of_param), spike_threshold=cfg.spike_threshold, ema_alpha=cfg.ema_alpha,
-                   warmup_steps=cfg.warmup_steps, level_shift_patience=cfg.level_shift_patience,
+        return cls(names, n, list(range(n)) + list(layer_of_param), spike_threshold=cfg.spike_threshold,
+                   ema_alpha=cfg.ema_alpha, warmup_steps=cfg.warmup_steps, level_shift_patience=cfg.level_shift_patience,
                    graded=cfg.graded_response, outlier_ratio=cfg.outlier_ratio,
                    loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
                    level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread,

@@ -47,7 +47,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import native
+from ..config import check_int, native
 from ..errors import ConfigError, TrackerUnreachable
 from ..events import (
     ActionTaken, BaselineReset, EosWarning, GuardEvent, NonFinite, RunEnd, RunStart, Sharpness, Spike, StepSummary,
@@ -366,13 +366,10 @@ class TrackerBridge:
         queue_size: int = 100_000,
         upload_report: bool = True,
     ) -> None:
-        max_layer_metrics, close_timeout = native(max_layer_metrics), native(close_timeout)
-        max_table_rows, queue_size = native(max_table_rows), native(queue_size)
-        if isinstance(max_layer_metrics, bool) or not isinstance(max_layer_metrics, int) or max_layer_metrics < 0:
-            raise ConfigError(f"max_layer_metrics must be an integer >= 0; got {max_layer_metrics!r}")
-        for name, value in (("max_table_rows", max_table_rows), ("queue_size", queue_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1; got {value!r}")
+        max_layer_metrics = check_int("max_layer_metrics", max_layer_metrics, low=0)
+        max_table_rows = check_int("max_table_rows", max_table_rows, low=1)
+        queue_size = check_int("queue_size", queue_size, low=1)
+        close_timeout = native(close_timeout)
         if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or not close_timeout >= 0:
             raise ConfigError(f"close_timeout must be a number of seconds >= 0; got {close_timeout!r}")
         self.max_layer_metrics = max_layer_metrics

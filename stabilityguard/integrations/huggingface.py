@@ -14,7 +14,7 @@ import os
 import sys
 import weakref
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -95,16 +95,21 @@ def _calling_trainer() -> Tuple[Any, Any]:
     trainer_cls = getattr(_transformers, "Trainer", None)
     if trainer_cls is None:
         return None, None
-    frame = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            break
+    for frame in _frames_above(sys._getframe(1), 16):
         obj = frame.f_locals.get("self")
         if isinstance(obj, trainer_cls):
             resume = frame.f_locals.get("resume_from_checkpoint")
             return obj, resume if isinstance(resume, (str, os.PathLike)) else None
-        frame = frame.f_back
     return None, None
+
+
+def _frames_above(frame: Any, depth: int) -> Iterator[Any]:
+    """``frame`` and up to ``depth - 1`` of its callers."""
+    for _ in range(depth):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
 
 
 #: The Trainer's methods a training forward pass runs under (only their frames' locals are read: reading a
@@ -115,14 +120,8 @@ _TRAINER_FRAMES = frozenset({"compute_loss", "training_step", "_inner_training_l
 def _called_by(obj: Any, depth: int = 32) -> bool:
     """Is one of the Trainer methods in :data:`_TRAINER_FRAMES` of ``obj`` on the call stack (within ``depth``
     frames above the caller's caller)?"""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code.co_name in _TRAINER_FRAMES and frame.f_locals.get("self") is obj:
-            return True
-        frame = frame.f_back
-    return False
+    return any(frame.f_code.co_name in _TRAINER_FRAMES and frame.f_locals.get("self") is obj
+               for frame in _frames_above(sys._getframe(2), depth))
 
 
 class _BackwardCapture:

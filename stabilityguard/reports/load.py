@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .._optional import require
-from ..config import native
-from ..errors import ConfigError, StabilityGuardError
+from ..config import check_int
+from ..errors import StabilityGuardError
 from ..events import SCHEMA_VERSION, check_schema_version
 from . import _fast, _fast_windows
 from ._fast import SUMMARY_FLOATS as _SUMMARY_FLOATS
@@ -1163,9 +1163,7 @@ def load_runs(*paths: PathLike, max_line_bytes: int = MAX_LINE_BYTES,
         >>> runs = load_runs("./sg_logs")  # doctest: +SKIP
         >>> run = latest(runs); run.incidents[["step", "layer", "ratio", "action"]]  # doctest: +SKIP
     """
-    max_line_bytes = native(max_line_bytes)
-    if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int) or max_line_bytes < 1:
-        raise ConfigError(f"max_line_bytes must be an integer >= 1; got {max_line_bytes!r}")
+    max_line_bytes = check_int("max_line_bytes", max_line_bytes, low=1)
     problems: List[Problem] = []
     builders: Dict[str, _RunBuilder] = {}
     for path in _log_files(paths):

@@ -8,7 +8,7 @@ from collections import deque
 from pathlib import Path
 from typing import Deque, Optional, Union
 
-from ..config import native
+from ..config import check_int
 from ..errors import ConfigError
 from ..events import GuardEvent
 from ._json import dumps
@@ -46,13 +46,10 @@ class JsonlSink:
     ) -> None:
         if not isinstance(log_dir, (str, os.PathLike)) or log_dir == "":
             raise ConfigError(f"log_dir must be a directory path (str or pathlib.Path); got {log_dir!r}")
-        max_pending = native(max_pending)
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            raise ConfigError(f"max_pending must be an integer >= 1 (lines kept while the file cannot be written); "
-                              f"got {max_pending!r}")
         self.log_dir = Path(log_dir)
         self.per_rank = per_rank
-        self.max_pending = max_pending
+        self.max_pending = check_int("max_pending", max_pending, low=1,
+                                     note="lines kept while the file cannot be written")
         self.path: Optional[Path] = None
         self._fd: Optional[int] = None
         self._pending: Deque[bytes] = deque()
