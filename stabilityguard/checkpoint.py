@@ -216,3 +216,70 @@ def load_merged_state_dict(opt: torch.optim.Optimizer, base: torch.optim.Optimiz
         raise
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
+
+
+class GuardCheckpoint:
+    """The checkpoint methods of :class:`~stabilityguard.GuardedOptimizer` (a mixin over the functions
+    above: the guard's parts are its policy, run log, features, rollback snapshot and collector).
+
+    Example:
+        >>> sd = optimizer.state_dict()  # the wrapped optimizer's, plus "stabilityguard"  # doctest: +SKIP
+        >>> optimizer.load_state_dict(sd)  # doctest: +SKIP
+    """
+
+    # what the mixing class provides
+    config: Any
+    counters: Any
+    base_optimizer: torch.optim.Optimizer
+    _policy: Any
+    _log: Any
+    _features: Any
+    _containment: Any
+    _collector: Any
+    _share_base: Callable[[], None]
+
+    def _parts(self) -> tuple:
+        return self._policy, self._log, self._features, self._containment.rollback, self._collector
+
+    def guard_state_dict(self, tensors: bool = True) -> Dict[str, Any]:
+        """The guard's own state: baselines, loss window, counters, feature state, the rollback snapshot
+        and its schedule, the flight recorder. Loadable with ``torch.load(weights_only=True)``.
+
+        Args:
+            tensors: ``False`` leaves out the rollback snapshot's tensors, so the state is JSON-native
+                (for ``json.dumps``, e.g. in a Trainer's ``trainer_state.json``); a load then takes the
+                snapshot from the state it finds.
+        """
+        return guard_state(*self._parts(), tensors)
+
+    def load_guard_state_dict(self, state: Dict[str, Any], *, where: str = "the guard state") -> None:
+        """Restore :meth:`guard_state_dict` output (baselines are matched by layer name). A state that is
+        not one, or a part of it that fails to load, is a ``ConfigError`` naming ``where`` (the file or
+        entry it came from) and the part; the guard's state is then as it was."""
+        load_guard_state(state, *self._parts(), self.config.track_update_size, where)
+        self._containment.buffers.mark()  # the buffers as loaded: a refusal's target
+
+    def _guard_backup(self) -> Callable[[], None]:
+        """A function that puts the guard's state back as it is now (for an integration's all-or-nothing
+        load of several guards)."""
+        return guard_backup(*self._parts(), self.config.track_update_size)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"`` (the
+        optimizer's ``register_state_dict_pre_hook``/``post_hook`` hooks run as for a plain optimizer)."""
+        return merged_state_dict(self, self.base_optimizer, self.guard_state_dict)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a checkpoint from :meth:`state_dict`, or a plain optimizer's (baselines start fresh)."""
+        try:
+            load_merged_state_dict(self, self.base_optimizer, state_dict, self._loaded)
+        finally:
+            self._share_base()  # also after a failed load (the state is put back)
+
+    def _loaded(self, guard: Optional[Dict[str, Any]]) -> None:
+        self._share_base()
+        if guard is not None:
+            self.load_guard_state_dict(guard, where=f"the optimizer state's {KEY!r} entry")
+            return
+        logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
+        self._containment.restart(self.counters.steps)

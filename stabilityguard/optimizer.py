@@ -3,7 +3,7 @@
 This module is the torch adapter only: :mod:`.stats` measures, :mod:`.policy` decides (pure floats),
 :mod:`.actions` applies (takes or refuses the step), :mod:`.emit` builds the records and keeps the run's
 log, the sinks deliver. :mod:`.features` builds the opt-in features, :mod:`.checkpoint` assembles the
-guard's state, :mod:`.hooks` runs torch's step hooks, :mod:`.arguments` checks the arguments.
+guard's state (and gives the class its checkpoint methods), :mod:`.hooks` runs torch's step hooks, :mod:`.arguments` checks the arguments.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch
 from . import __version__
 from .actions import Containment, LoadFollower
 from .arguments import call_closure, check_arguments, check_loss
-from .checkpoint import KEY as CHECKPOINT_KEY
-from .checkpoint import guard_backup, guard_state, load_guard_state, load_merged_state_dict, merged_state_dict
+from .checkpoint import GuardCheckpoint
 from .config import GuardConfig
 from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_id, nonfinite_incident,
                    shared_run_id, spike_error, spike_incident)
@@ -34,7 +33,7 @@ from .stats import (GradStats, GradStatsCollector, ParamIndex, nonfinite_layers,
 logger = logging.getLogger(__name__)
 
 
-class GuardedOptimizer(torch.optim.Optimizer):
+class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
     """Wraps an optimizer and refuses unsafe steps (gradient spikes, NaN/Inf), scaling outliers back.
 
     It is a real ``torch.optim.Optimizer`` that shares ``param_groups`` and ``state`` with the wrapped
@@ -383,53 +382,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    # ----------------------------------------------------------------------------- checkpoints
-    def guard_state_dict(self, tensors: bool = True) -> Dict[str, Any]:
-        """The guard's own state: baselines, loss window, counters, feature state, the rollback snapshot
-        and its schedule, the flight recorder. Loadable with ``torch.load(weights_only=True)``.
-
-        Args:
-            tensors: ``False`` leaves out the rollback snapshot's tensors, so the state is JSON-native
-                (for ``json.dumps``, e.g. in a Trainer's ``trainer_state.json``); a load then takes the
-                snapshot from the state it finds.
-        """
-        return guard_state(self._policy, self._log, self._features, self._containment.rollback, self._collector,
-                           tensors)
-
-    def load_guard_state_dict(self, state: Dict[str, Any], *, where: str = "the guard state") -> None:
-        """Restore :meth:`guard_state_dict` output (baselines are matched by layer name). A state that is
-        not one, or a part of it that fails to load, is a ``ConfigError`` naming ``where`` (the file or
-        entry it came from) and the part; the guard's state is then as it was."""
-        load_guard_state(state, self._policy, self._log, self._features, self._containment.rollback, self._collector,
-                         self.config.track_update_size, where)
-        self._containment.buffers.mark()  # the buffers as loaded are the state a refused step returns to
-
-    def _guard_backup(self) -> Callable[[], None]:
-        """A function that puts the guard's state back as it is now (for an integration's all-or-nothing
-        load of several guards)."""
-        return guard_backup(self._policy, self._log, self._features, self._containment.rollback, self._collector,
-                            self.config.track_update_size)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state dict plus the guard's state under ``"stabilityguard"`` (the
-        optimizer's ``register_state_dict_pre_hook``/``post_hook`` hooks run as for a plain optimizer)."""
-        return merged_state_dict(self, self.base_optimizer, self.guard_state_dict)
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a checkpoint from :meth:`state_dict`, or a plain optimizer's (baselines start fresh)."""
-        try:
-            load_merged_state_dict(self, self.base_optimizer, state_dict, self._loaded)
-        finally:
-            self._share_base()  # also after a failed load, which puts the wrapped optimizer's state back
-
-    def _loaded(self, guard: Optional[Dict[str, Any]]) -> None:
-        self._share_base()
-        if guard is not None:
-            self.load_guard_state_dict(guard, where=f"the optimizer state's {CHECKPOINT_KEY!r} entry")
-            return
-        logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
-        self._containment.restart(self.counters.steps)
 
 
 __all__ = ["GuardCounters", "GuardedOptimizer", "new_run_id"]
