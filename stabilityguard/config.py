@@ -93,6 +93,13 @@ class GuardConfig:
     """How far the loss's fast EMA must rise above its recent level, in units of the loss's own
     step-to-step noise, to begin an instability (> 0)."""
 
+    instability_rise: Optional[float] = 0.5
+    """Before the loss's noise is known (its first 20 losses), an instability also begins when the loss's
+    fast EMA is this fraction above its lowest level so far (> 0; ``None``: only the noise rule). A run
+    whose loss climbs well above where it started is diverging (an LR too high from the first steps);
+    one outlier cannot do it: an early loss enters the EMA at most at about twice its value. Measured in
+    ``bench/protection.py`` (README, "Protection")."""
+
     instability_lr: Optional[float] = 0.5
     """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor; the
     LR the scheduler set is restored right after the step, so schedules go on undisturbed (in (0, 1];
@@ -285,6 +292,7 @@ class GuardConfig:
         _check_number("outlier_ratio", self.outlier_ratio, low=1.0, low_inclusive=False)
         _check_number("instability_clip", self.instability_clip, low=0.0, low_inclusive=False, none_ok=True)
         _check_number("instability_z", self.instability_z, low=0.0, low_inclusive=False)
+        _check_number("instability_rise", self.instability_rise, low=0.0, low_inclusive=False, none_ok=True)
         _check_number("instability_lr", self.instability_lr, low=0.0, low_inclusive=False, high=1.0, none_ok=True)
         _check_number("spike_jump", self.spike_jump, low=1.0, none_ok=True)
         _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False, none_ok=True)

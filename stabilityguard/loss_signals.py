@@ -118,13 +118,22 @@ class LossTrend:
     from, or after ``max_steps`` steps (the higher loss is then a new level). Losses of refused steps
     count too: they describe the model as it is.
 
+    Before ``min_count`` losses the noise is not known yet: a loss enters at most at the fast EMA plus the
+    larger of its magnitude and 6 noise units (about twice the EMA), so one huge early loss (x1000 at step
+    4) neither drags the EMAs up nor leaves a noise unit that hides every later rise for hundreds of
+    steps; and with ``early_rise``, an instability begins when the fast EMA is that fraction above the
+    reference (a positive loss that climbs well above where the run started: an LR too high from the
+    first steps). The reference starts from the fast EMA after :attr:`SETTLE` losses.
+
     Args:
         enter_z: Noise units of rise that begin an instability.
         exit_z: Noise units above the old level under which it ends.
         fast: EMA factor of the fast loss.
         slow: EMA factor of the noise and of the reference's rise.
-        min_count: Losses before an instability can begin.
+        min_count: Losses before the noise rule can begin an instability.
         max_steps: Longest instability.
+        early_rise: Before ``min_count`` losses, a rise of the fast EMA over the reference, as a fraction
+            of it, that begins an instability (``None``: off).
 
     Example:
         >>> t = LossTrend()
@@ -138,10 +147,15 @@ class LossTrend:
         True
     """
 
+    #: For its first losses the reference is the fast EMA itself: a first loss that happened to be low (a
+    #: noisy loss around 7 that began at 4.6) would otherwise be "the level the run reached", and the
+    #: ordinary losses after it a rise of 50% (``early_rise``).
+    SETTLE = 3
+
     def __init__(self, *, enter_z: float = 3.0, exit_z: float = 1.0, fast: float = 0.2, slow: float = 0.02,
-                 min_count: int = 20, max_steps: int = 128) -> None:
+                 min_count: int = 20, max_steps: int = 128, early_rise: Optional[float] = None) -> None:
         self.enter_z, self.exit_z, self.fast_a, self.slow_a = enter_z, exit_z, fast, slow
-        self.min_count, self.max_steps = min_count, max_steps
+        self.min_count, self.max_steps, self.early_rise = min_count, max_steps, early_rise
         self.count = 0
         self.fast = self.slow = self.noise = 0.0
         self.unstable = False
@@ -158,6 +172,8 @@ class LossTrend:
             self.fast = self.slow = loss
         if self.count >= self.min_count:
             loss = min(loss, self.fast + 6.0 * self._unit())  # one bad batch moves the EMAs little
+        elif self.count:  # no noise unit to trust yet: at most twice the fast EMA
+            loss = min(loss, self.fast + max(abs(self.fast), 6.0 * self._unit()))
         dev = abs(loss - self.fast)
         self.fast += self.fast_a * (loss - self.fast)
         self.count += 1
@@ -168,9 +184,15 @@ class LossTrend:
                 self.slow = self.fast
             return
         self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
-        # the reference follows the fast EMA down at once and up slowly (a falling loss is no lag)
-        self.slow = min(self.fast, self.slow + self.slow_a * (self.fast - self.slow))
-        if self.count >= self.min_count and self.fast - self.slow > self.enter_z * self._unit():
+        if self.count <= self.SETTLE:  # the reference starts from the fast EMA of a few losses, not one
+            self.slow = self.fast
+        else:  # it follows the fast EMA down at once and up slowly (a falling loss is no lag)
+            self.slow = min(self.fast, self.slow + self.slow_a * (self.fast - self.slow))
+        if self.count >= self.min_count:
+            rise = self.fast - self.slow > self.enter_z * self._unit()
+        else:  # the run's first losses: a rise well above the level it reached
+            rise = self.early_rise is not None and self.slow > 0 and self.fast > (1 + self.early_rise) * self.slow
+        if rise:
             self.unstable, self.ref, self.since = True, self.slow, 0
 
     #: Losses the trend needs before it calls one calm (:meth:`calm`).

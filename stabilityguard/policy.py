@@ -39,7 +39,9 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   baseline may not grow (it is fed ``min(norm, baseline)``). Adam divides by the root of its second
   moment: a gradient that grows with the instability would enlarge its own updates and feed that moment
   for hundreds of steps; held at the pre-instability scale it does neither (the idea of AdaGC and ZClip,
-  applied only while the loss says something is wrong).
+  applied only while the loss says something is wrong). Before the trend knows the loss's noise (its
+  first 20 losses), a loss EMA ``instability_rise`` above the lowest level so far begins one too: an LR
+  too high from the first steps drives the loss well above where the run started.
 * **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
   steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
@@ -146,6 +148,8 @@ class GuardPolicy:
         level_shift_spread: Largest / smallest ratio of a run that still counts as consistent.
         instability_clip: Global-norm cap (x its held baseline) during a loss instability (``None``: off).
         instability_z: Rise of the loss, in noise units, that begins an instability.
+        instability_rise: Rise of the loss over its lowest level, as a fraction of it, that begins an
+            instability before the loss's noise is known (``None``: off).
         spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
         calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
             new level is accepted (``None``: ``level_shift_steps`` for every run).
@@ -176,6 +180,7 @@ class GuardPolicy:
         level_shift_spread: float = 2.0,
         instability_clip: Optional[float] = 1.0,
         instability_z: float = 3.0,
+        instability_rise: Optional[float] = 0.5,
         spike_jump: Optional[float] = 4.0,
         calm_shift_steps: Optional[int] = 2,
         early_clip: bool = True,
@@ -189,7 +194,7 @@ class GuardPolicy:
         self.instability_clip = float(instability_clip) if instability_clip is not None else None
         self.trend: Optional[LossTrend] = None
         if graded and instability_clip is not None:
-            self.trend = LossTrend(enter_z=instability_z, max_steps=loss_window)
+            self.trend = LossTrend(enter_z=instability_z, max_steps=loss_window, early_rise=instability_rise)
         self.calm_shift_steps = int(calm_shift_steps) if (self.trend is not None and calm_shift_steps) else None
         #: Consecutive refused steps, up to the last one, whose loss was calm (see ``calm_shift_steps``).
         self.calm_refused = 0
@@ -238,6 +243,7 @@ class GuardPolicy:
                    loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
                    level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread,
                    instability_clip=cfg.instability_clip, instability_z=cfg.instability_z,
+                   instability_rise=cfg.instability_rise,
                    spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip,
                    coherent_share=cfg.coherent_share)
 
@@ -608,7 +614,8 @@ class GuardPolicy:
         self._open_outlier_runs = any(self.outlier_runs)
         if self.trend is not None:
             if not state.get("trend"):
-                self.trend = LossTrend(enter_z=self.trend.enter_z, max_steps=self.trend.max_steps)
+                self.trend = LossTrend(enter_z=self.trend.enter_z, max_steps=self.trend.max_steps,
+                                       early_rise=self.trend.early_rise)
             self.trend.load_state_dict(state.get("trend") or {})
         self.calm_refused = int(state.get("calm_refused", 0))
         pos = {n: i for i, n in enumerate(names)}

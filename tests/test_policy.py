@@ -203,6 +203,49 @@ def test_one_bad_batch_or_noise_never_begins_an_instability():
         assert not t.unstable
 
 
+def test_a_loss_that_climbs_above_where_the_run_started_is_an_instability_before_the_noise_is_known():
+    """instability_rise: an LR too high from the first steps (bench/protection.py's CNN with high_lr: 2.4 ->
+    7 -> 35 in ten steps) is an instability before the trend's 20 losses; without it, nothing until then."""
+    climb = [2.37, 2.9, 4.0, 5.5, 7.3, 10.0, 13.6, 20.0, 35.0]
+    on, off = LossTrend(early_rise=0.5), LossTrend()
+    for x in climb:
+        on.add(x)
+        off.add(x)
+    assert on.unstable and on.ref < 3.5  # the level it began from
+    assert not off.unstable
+    lucky = LossTrend(early_rise=0.5)  # a noisy loss around 7 whose first value happened to be 4.6
+    for x in [4.62, 11.26, 6.88, 6.29, 7.20, 6.09, 7.24, 5.16, 9.43, 7.66, 8.32, 8.66, 5.79, 6.87, 5.91, 4.57, 9.1]:
+        lucky.add(x)
+        assert not lucky.unstable
+    rng = random.Random(7)
+    calm = LossTrend(early_rise=0.5)  # a clean start, falling with noise (the CNN's clean runs), never one
+    for i in range(19):
+        calm.add(2.3 * math.exp(-i / 15) + 0.3 * (rng.random() - 0.5))
+        assert not calm.unstable
+    neg = LossTrend(early_rise=0.5)  # a negative loss has no "fraction above": only the noise rule
+    for x in [-2.0, -1.0, 0.5, 2.0, 4.0, 8.0]:
+        neg.add(x)
+    assert not neg.unstable
+
+
+def test_one_huge_early_loss_neither_begins_an_instability_nor_blinds_the_trend():
+    """A loss x2600 at step 4 (the MLP with high_lr) entered the trend whole: its fast EMA jumped to 433 and its
+    noise unit to 432, which hid every rise for the next ~300 steps. Early losses now enter at most at about
+    twice the fast EMA."""
+    rng = random.Random(8)
+    t = LossTrend(early_rise=0.5)
+    for x in [0.82, 0.84, 0.80, 0.53, 2161.9]:
+        t.add(x)
+    assert not t.unstable
+    assert t.fast < 1.2 and t.noise < 1.0
+    for x in _noisy(rng, 0.5, 60):
+        t.add(x)
+        assert not t.unstable
+    for x in _noisy(rng, 1.0, 8):  # a sustained rise later in the run is seen
+        t.add(x)
+    assert t.unstable
+
+
 def test_an_instability_ends_when_the_loss_is_back_or_after_max_steps():
     rng = random.Random(2)
     t = LossTrend(max_steps=40)

@@ -31,6 +31,7 @@ CONFIGS = {
     "helene": {"enable_helene": True, "helene_refresh_steps": 4},
     "clip": {"clip_grad_norm": 0.5},
     "instability": {},  # the default guard through a sustained loss rise that spans the cut (RISE)
+    "early_instability": {},  # the default guard through a loss that climbs in the first steps (EARLY)
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
@@ -43,6 +44,9 @@ CONFIGS = {
 #: Steps whose loss (and so gradients) is x3: a sustained rise the loss trend calls an instability, under way
 #: at the checkpoint (config "instability" only).
 RISE = range(22, 42)
+#: Steps whose loss is x4: from the run's 5th step, before the trend knows the loss's noise, so instability_rise
+#: begins the instability, under way at the checkpoint (config "early_instability" only).
+EARLY = range(4, CUT + 4)
 #: Steps where one layer's gradient is x30 with an ordinary loss: refused at the last step before the
 #: checkpoint, accepted as a new level at the first one after it (calm_shift_steps=2; config "calm_shift").
 SHIFT = range(CUT - 1, CUT + 4)
@@ -63,12 +67,14 @@ def _build(cfg):
     return model, opt
 
 
-def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False):
+def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False, early=False):
     for step in range(start, stop):
         x, y = batches[step]
         loss = model.loss(x, y)
         if rise and step in RISE:
             loss = loss * 3.0
+        if early and step in EARLY:
+            loss = loss * 4.0
         if step == 50:
             loss = loss * 40.0  # a loss outlier with ordinary-looking norms at most x40
         loss.backward()
@@ -94,16 +100,22 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     cfg = CONFIGS[name]
     batches = _batches()
     rise, shift, absent = name == "instability", name == "calm_shift", name == "layer_set"
+    early = name == "early_instability"
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, STEPS, rise, shift, absent)
+    _train(model, opt, batches, 0, STEPS, rise, shift, absent, early)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_counters = opt.counters
     ref_policy = opt.state_dict()["stabilityguard"]["policy"]
     opt.close()
 
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, CUT, rise, shift, absent)
-    assert opt._policy.unstable == rise  # the instability is under way at the checkpoint
+    if early:  # instability_rise began it, before the trend's noise rule could
+        _train(model, opt, batches, 0, 12, early=True)
+        assert opt._policy.unstable and opt._policy.trend.count < opt._policy.trend.min_count
+        _train(model, opt, batches, 12, CUT, early=True)
+    else:
+        _train(model, opt, batches, 0, CUT, rise, shift, absent)
+    assert opt._policy.unstable == (rise or early)  # the instability is under way at the checkpoint
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
     assert (opt._policy.global_layers is not None) == absent  # the global baseline describes a subset
     buf = io.BytesIO()
@@ -118,7 +130,7 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     else:
         opt.load_state_dict(ckpt["opt"])
         model.load_state_dict(ckpt["model"])
-    _train(model, opt, batches, CUT, STEPS, rise, shift, absent)
+    _train(model, opt, batches, CUT, STEPS, rise, shift, absent, early)
     for k, v in model.state_dict().items():  # bit for bit (NaN where monitor mode let a NaN step through)
         torch.testing.assert_close(v, ref[k], rtol=0, atol=0, equal_nan=True, msg=f"{name}: {k} differs after resume")
     assert opt.counters == ref_counters
