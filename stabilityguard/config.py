@@ -94,11 +94,13 @@ class GuardConfig:
     step-to-step noise, to begin an instability (> 0)."""
 
     instability_rise: Optional[float] = 0.5
-    """Before the loss's noise is known (its first 20 losses), an instability also begins when the loss's
-    fast EMA is this fraction above its lowest level so far (> 0; ``None``: only the noise rule). A run
-    whose loss climbs well above where it started is diverging (an LR too high from the first steps);
-    one outlier cannot do it: an early loss enters the EMA at most at about twice its value. Measured in
-    ``bench/protection.py`` (README, "Protection")."""
+    """In the first 20 losses the guard sees (before the loss's noise is known), an instability also
+    begins when the loss's fast EMA is this fraction above its reference (the fast EMA of the first 3
+    losses, then following it down at once and up slowly) and 3 noise units above it, the noise measured
+    before the rise (> 0; ``None``: only the noise rule). A positive loss that climbs well above where the
+    run started is diverging (an LR too high from the first steps); early losses enter the trend bounded
+    (at most twice its level), so one outlier does not. Measured in ``bench/protection.py`` (README,
+    "Protection")."""
 
     instability_lr: Optional[float] = 0.5
     """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor; the

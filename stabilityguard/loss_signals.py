@@ -7,6 +7,7 @@ recent window?) and :class:`LossTrend` (is the run in a sustained loss instabili
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -118,12 +119,20 @@ class LossTrend:
     from, or after ``max_steps`` steps (the higher loss is then a new level). Losses of refused steps
     count too: they describe the model as it is.
 
-    Before ``min_count`` losses the noise is not known yet: a loss enters at most at the fast EMA plus the
-    larger of its magnitude and 6 noise units (about twice the EMA), so one huge early loss (x1000 at step
-    4) neither drags the EMAs up nor leaves a noise unit that hides every later rise for hundreds of
-    steps; and with ``early_rise``, an instability begins when the fast EMA is that fraction above the
-    reference (a positive loss that climbs well above where the run started: an LR too high from the
-    first steps). The reference starts from the fast EMA after :attr:`SETTLE` losses.
+    Before ``min_count`` losses the noise is not known yet: a loss enters at most at twice the larger of
+    the fast EMA and the lower median of the losses so far (when that is positive), so one huge early
+    loss (x1000 at step 4) neither drags the EMAs up nor leaves a noise unit that hides every later
+    rise for hundreds of steps, while a run whose first loss was 0 or tiny finds its level from its
+    fourth loss (the median is then the new level).
+
+    With ``early_rise``, in those first losses, an instability also begins when the fast EMA is that
+    fraction above the reference and :attr:`EARLY_GATE` noise units above it, the noise as it was
+    before the fast EMA went that far above the reference (a rise cannot inflate its own yardstick): a
+    positive loss that climbs well above where the run started (an LR too high from the first steps),
+    not a noisy one (a loss at a floor with occasional spikes, as fine-tuning losses often are). The
+    reference is the fast EMA for the first :attr:`SETTLE` losses, then follows it down at once and up
+    by ``slow`` of the gap per step. These are the first losses this trend sees: after a guard is
+    attached to a trained model, or a checkpoint without its state is loaded, too.
 
     Args:
         enter_z: Noise units of rise that begin an instability.
@@ -151,6 +160,9 @@ class LossTrend:
     #: noisy loss around 7 that began at 4.6) would otherwise be "the level the run reached", and the
     #: ordinary losses after it a rise of 50% (``early_rise``).
     SETTLE = 3
+    #: ``early_rise`` also needs the fast EMA this many noise units above the reference (measured on
+    #: synthetic flat losses: a loss at a floor with spikes, normal and lognormal noise, 200 seeds each).
+    EARLY_GATE = 3.0
 
     def __init__(self, *, enter_z: float = 3.0, exit_z: float = 1.0, fast: float = 0.2, slow: float = 0.02,
                  min_count: int = 20, max_steps: int = 128, early_rise: Optional[float] = None) -> None:
@@ -161,6 +173,8 @@ class LossTrend:
         self.unstable = False
         self.ref = 0.0  # the slow level when the instability began
         self.since = 0
+        self.calm_noise = 0.0  # the noise before the fast EMA went early_rise above the reference
+        self.early: List[float] = []  # the losses as they came, while count < min_count (for the bound)
 
     def _unit(self) -> float:
         """The noise unit, floored (like :class:`LossMonitor`'s scale) so a flat loss stays sane."""
@@ -172,8 +186,13 @@ class LossTrend:
             self.fast = self.slow = loss
         if self.count >= self.min_count:
             loss = min(loss, self.fast + 6.0 * self._unit())  # one bad batch moves the EMAs little
-        elif self.count:  # no noise unit to trust yet: at most twice the fast EMA
-            loss = min(loss, self.fast + max(abs(self.fast), 6.0 * self._unit()))
+        else:  # no noise unit to trust yet: at most twice the larger of the fast EMA and the median so far
+            raw, scale = loss, self.fast
+            if self.early:  # an EMA far below the losses' lower median lags a start at or near 0
+                scale = max(scale, 0.5 * statistics.median_low(self.early))
+            if self.count and scale > 0:
+                loss = min(loss, 2.0 * scale)
+            self.early = self.early + [raw] if self.count + 1 < self.min_count else []
         dev = abs(loss - self.fast)
         self.fast += self.fast_a * (loss - self.fast)
         self.count += 1
@@ -190,8 +209,13 @@ class LossTrend:
             self.slow = min(self.fast, self.slow + self.slow_a * (self.fast - self.slow))
         if self.count >= self.min_count:
             rise = self.fast - self.slow > self.enter_z * self._unit()
-        else:  # the run's first losses: a rise well above the level it reached
-            rise = self.early_rise is not None and self.slow > 0 and self.fast > (1 + self.early_rise) * self.slow
+        elif self.early_rise is None:
+            rise = False
+        else:  # the run's first losses: a rise well above the level it reached, and well above the noise
+            above = self.slow > 0 and self.fast > (1 + self.early_rise) * self.slow
+            if not above:
+                self.calm_noise = self.noise
+            rise = above and self.count > self.SETTLE and self.fast - self.slow > self.EARLY_GATE * self.calm_noise
         if rise:
             self.unstable, self.ref, self.since = True, self.slow, 0
 
@@ -212,13 +236,16 @@ class LossTrend:
                 self.unstable = False
                 self.slow = self.fast
 
-    _FIELDS = ("count", "fast", "slow", "noise", "unstable", "ref", "since")
+    _FIELDS = ("count", "fast", "slow", "noise", "unstable", "ref", "since", "calm_noise")
 
     def state_dict(self) -> Dict[str, Any]:
-        return {k: getattr(self, k) for k in self._FIELDS}
+        return {k: getattr(self, k) for k in self._FIELDS} | {"early": list(self.early)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.early = [float(v) for v in state.get("early", [])]
         for k in self._FIELDS:
             if k in state:
                 v = state[k]
                 setattr(self, k, bool(v) if k == "unstable" else (int(v) if k in ("count", "since") else float(v)))
+        if "calm_noise" not in state and "noise" in state:  # a checkpoint from before the gate
+            self.calm_noise = self.noise

@@ -40,8 +40,8 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   moment: a gradient that grows with the instability would enlarge its own updates and feed that moment
   for hundreds of steps; held at the pre-instability scale it does neither (the idea of AdaGC and ZClip,
   applied only while the loss says something is wrong). Before the trend knows the loss's noise (its
-  first 20 losses), a loss EMA ``instability_rise`` above the lowest level so far begins one too: an LR
-  too high from the first steps drives the loss well above where the run started.
+  first 20 losses), a loss EMA ``instability_rise`` (and 3 early noise units) above its reference begins
+  one too: an LR too high from the first steps drives the loss well above where the run started.
 * **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
   steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
