@@ -97,7 +97,8 @@ class GuardConfig:
     """In the first 20 losses the guard sees (before the loss's noise is known), an instability also
     begins when the loss's fast EMA is this fraction above its reference (the fast EMA of the first 3
     losses, then following it down at once and up slowly) and 3 noise units above it, the noise measured
-    before the rise (> 0; ``None``: only the noise rule). A positive loss that climbs well above where the
+    before the rise (> 0; ``None``: only the noise rule); at the 20th loss such an instability ends
+    unless the noise rule, with the noise then known, confirms it. A positive loss that climbs well above where the
     run started is diverging (an LR too high from the first steps); early losses enter the trend bounded
     (at most twice its level), so one outlier does not. Measured in ``bench/protection.py`` (README,
     "Protection")."""

@@ -120,16 +120,18 @@ class LossTrend:
     count too: they describe the model as it is.
 
     Before ``min_count`` losses the noise is not known yet: a loss enters at most at twice the larger of
-    the fast EMA and the lower median of the losses so far (when that is positive), so one huge early
-    loss (x1000 at step 4) neither drags the EMAs up nor leaves a noise unit that hides every later
-    rise for hundreds of steps, while a run whose first loss was 0 or tiny finds its level from its
-    fourth loss (the median is then the new level).
+    the fast EMA and half the lower median of the losses so far (a negative level bounds at 0), so one
+    huge early loss (x1000 at step 4) neither drags the EMAs up nor leaves a noise unit that hides every
+    later rise for hundreds of steps, while a run whose first loss was 0 or tiny finds its level from
+    its fourth loss (the median is then the new level). At the ``min_count``-th loss the noise restarts
+    from the median step-to-step change of the last ten losses (:meth:`_known`).
 
     With ``early_rise``, in those first losses, an instability also begins when the fast EMA is that
     fraction above the reference and :attr:`EARLY_GATE` noise units above it, the noise as it was
     before the fast EMA went that far above the reference (a rise cannot inflate its own yardstick): a
     positive loss that climbs well above where the run started (an LR too high from the first steps),
-    not a noisy one (a loss at a floor with occasional spikes, as fine-tuning losses often are). The
+    not a noisy one (a loss at a floor with occasional spikes, as fine-tuning losses often are); at the
+    ``min_count``-th loss such an instability ends unless the noise rule confirms it. The
     reference is the fast EMA for the first :attr:`SETTLE` losses, then follows it down at once and up
     by ``slow`` of the gap per step. These are the first losses this trend sees: after a guard is
     attached to a trained model, or a checkpoint without its state is loaded, too.
@@ -184,18 +186,22 @@ class LossTrend:
         """Add one finite loss and update :attr:`unstable`."""
         if self.count == 0:
             self.fast = self.slow = loss
+        seen: List[float] = []
         if self.count >= self.min_count:
             loss = min(loss, self.fast + 6.0 * self._unit())  # one bad batch moves the EMAs little
         else:  # no noise unit to trust yet: at most twice the larger of the fast EMA and the median so far
             raw, scale = loss, self.fast
             if self.early:  # an EMA far below the losses' lower median lags a start at or near 0
                 scale = max(scale, 0.5 * statistics.median_low(self.early))
-            if self.count and scale > 0:
-                loss = min(loss, 2.0 * scale)
-            self.early = self.early + [raw] if self.count + 1 < self.min_count else []
+            if self.count and scale != 0:  # twice a positive level; a negative one bounds at 0
+                loss = min(loss, scale + abs(scale))
+            seen = self.early + [raw]
+            self.early = seen if self.count + 1 < self.min_count else []
         dev = abs(loss - self.fast)
         self.fast += self.fast_a * (loss - self.fast)
         self.count += 1
+        if self.count == self.min_count and len(seen) > 2:
+            self._known(seen)
         if self.unstable:
             self.since += 1
             if (self.fast - self.ref) < self.exit_z * self._unit() or self.since > self.max_steps:
@@ -218,6 +224,18 @@ class LossTrend:
             rise = above and self.count > self.SETTLE and self.fast - self.slow > self.EARLY_GATE * self.calm_noise
         if rise:
             self.unstable, self.ref, self.since = True, self.slow, 0
+
+    def _known(self, seen: List[float]) -> None:
+        """The ``min_count``-th loss: the noise restarts from the median step-to-step change of the last
+        ten losses as they came (a huge first loss or a fast early fall had inflated the mean deviation
+        for hundreds of steps), and an instability begun by ``early_rise`` ends unless the noise rule,
+        with that noise, would have begun it (a flat noisy loss whose first losses were low would
+        otherwise be held for ``max_steps``)."""
+        tail = seen[-11:]
+        self.noise = statistics.median(abs(b - a) for a, b in zip(tail, tail[1:]))
+        if self.unstable and self.fast - self.ref <= self.enter_z * self._unit():
+            self.unstable = False
+            self.slow = self.fast
 
     #: Losses the trend needs before it calls one calm (:meth:`calm`).
     CALM_AFTER = 8

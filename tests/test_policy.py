@@ -265,12 +265,15 @@ def test_a_run_that_starts_at_zero_finds_its_level(first):
     # instability_rise it is an early instability, held until loss_window steps, as README says)
 
 
-def test_the_trend_resumes_bit_for_bit_inside_its_first_losses():
-    """The early losses (the bound's median), the noise before a rise and the rest round-trip through JSON; an
-    older state without them loads too."""
+@pytest.mark.parametrize("start", ["climb", "zero"])
+def test_the_trend_resumes_bit_for_bit_inside_its_first_losses(start):
+    """The early losses (the bound's median, the noise restart at the 20th loss), the noise before a rise and the
+    rest round-trip through JSON; an older state without them loads too."""
     rng = random.Random(9)
-    xs = [2.3 * 1.3 ** i + 0.1 * rng.random() for i in range(12)] + [rng.random() for _ in range(40)]
-    for cut in (2, 6, 11, 25):
+    head = [2.3 * 1.3 ** i + 0.1 * rng.random() for i in range(12)] if start == "climb" else \
+        [0.0] + [2.3 + 0.5 * rng.random() for _ in range(11)]
+    xs = head + [rng.random() for _ in range(40)]
+    for cut in (2, 6, 11, 19, 25):
         a = LossTrend(early_rise=0.5)
         for x in xs[:cut]:
             a.add(x)
@@ -279,11 +282,63 @@ def test_the_trend_resumes_bit_for_bit_inside_its_first_losses():
         for x in xs[cut:]:
             a.add(x)
             b.add(x)
-            assert a.state_dict() == b.state_dict() and a.unstable == b.unstable
+            assert (a.fast, a.slow, a.noise, a.unstable) == (b.fast, b.slow, b.noise, b.unstable)
+        assert a.state_dict() == b.state_dict()
     old = {k: v for k, v in a.state_dict().items() if k not in ("early", "calm_noise")}
     c = LossTrend(early_rise=0.5)
     c.load_state_dict(old)
     assert c.calm_noise == c.noise and c.early == []
+
+
+def test_an_early_alarm_on_a_flat_noisy_loss_ends_when_the_noise_is_known():
+    """A second outside review: the noise is frozen during an instability and the reference was the low start, so
+    an early alarm on a flat noisy loss was held for max_steps (128) in 20 of 200 seeds (exponential noise). At
+    the 20th loss it ends unless the noise rule, with the noise now known, would have begun it; a climb stays."""
+    for family in (lambda r: r.expovariate(2), _floor_and_spikes):
+        long = 0
+        for seed in range(200):
+            rng, t = random.Random(seed), LossTrend(early_rise=0.5)
+            early = held = 0
+            for i in range(160):
+                t.add(family(rng))
+                early = early or (t.unstable and i < 19)
+                held += bool(early and t.unstable)
+            long += held >= 100
+        assert long <= 2
+    climb = LossTrend(early_rise=0.5)  # begun by early_rise at the 9th loss, confirmed at the 20th
+    for i in range(60):
+        climb.add(2.4 * 1.35 ** min(i, 10))
+        assert climb.unstable == (i >= 8)
+
+
+@pytest.mark.parametrize("start", ["huge first loss", "fast fall"])
+def test_the_noise_restarts_when_it_becomes_known(start):
+    """A first loss of 5000, or a fall from 1000 to 1 in ten steps, left a mean deviation that hid a x3 rise at
+    step 300 for good; the noise restarts at the 20th loss from the median step-to-step change."""
+    rng = random.Random(4)
+    head = [5000.0] if start == "huge first loss" else [1000.0 * 0.5 ** i for i in range(10)]
+    t = LossTrend(early_rise=0.5)
+    for x in head + [1.0 + 0.05 * rng.random() for _ in range(300 - len(head))]:
+        t.add(x)
+    assert not t.unstable
+    for _ in range(4):
+        t.add(3.0)
+    assert t.unstable
+
+
+def test_a_negative_loss_keeps_its_early_bound():
+    """A loss around -5 with one 5000 at step 3 entered whole (the bound needed a positive level), pushed the
+    reference above 0 and set the early rule off; a negative level now bounds at 0, as it did before."""
+    t = LossTrend(early_rise=0.5)
+    spans, xs = [], [-5.0 + 0.1 * math.sin(i) for i in range(300)]
+    xs[3] = 5000.0
+    for i in range(150, 300):
+        xs[i] += 1.0
+    for i, x in enumerate(xs):
+        t.add(x)
+        if t.unstable:
+            spans.append(i)
+    assert spans and spans[0] >= 150
 
 
 def test_one_huge_early_loss_neither_begins_an_instability_nor_blinds_the_trend():
