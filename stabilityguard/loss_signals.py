@@ -230,12 +230,15 @@ class LossTrend:
         ten losses as they came (a huge first loss or a fast early fall had inflated the mean deviation
         for hundreds of steps), and an instability begun by ``early_rise`` ends unless the noise rule,
         with that noise, would have begun it (a flat noisy loss whose first losses were low would
-        otherwise be held for ``max_steps``)."""
+        otherwise be held for ``max_steps``); otherwise the reference restarts from the fast EMA (a
+        first loss lower than the level the run settles at is not a rise for the noise rule to find
+        the moment its noise is small)."""
         tail = seen[-11:]
         self.noise = statistics.median(abs(b - a) for a, b in zip(tail, tail[1:]))
         if self.unstable and self.fast - self.ref <= self.enter_z * self._unit():
             self.unstable = False
-            self.slow = self.fast
+        if not self.unstable:  # the noise rule starts from the level reached (a rise over the first losses
+            self.slow = self.fast  # was early_rise's to judge, with its own noise)
 
     #: Losses the trend needs before it calls one calm (:meth:`calm`).
     CALM_AFTER = 8
