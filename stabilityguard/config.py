@@ -100,7 +100,7 @@ class GuardConfig:
     before the rise (> 0; ``None``: only the noise rule); at the 20th loss such an instability ends
     unless the noise rule, with the noise then known, confirms it. A positive loss that climbs well above where the
     run started is diverging (an LR too high from the first steps); early losses enter the trend bounded
-    (at most twice its level), so one outlier does not. Measured in ``bench/protection.py`` (README,
+    (at most three times its level), so one outlier does not. Measured in ``bench/protection.py`` (README,
     "Protection")."""
 
     instability_lr: Optional[float] = 0.5

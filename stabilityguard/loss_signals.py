@@ -119,12 +119,13 @@ class LossTrend:
     from, or after ``max_steps`` steps (the higher loss is then a new level). Losses of refused steps
     count too: they describe the model as it is.
 
-    Before ``min_count`` losses the noise is not known yet: a loss enters at most at twice the larger of
-    the fast EMA and half the lower median of the losses so far (a negative level bounds at 0), so one
+    Before ``min_count`` losses the noise is not known yet: a loss enters at most at three times the
+    larger of the fast EMA and half the lower median of the losses so far (:attr:`EARLY_BOUND`; a
+    negative level bounds at 0), so one
     huge early loss (x1000 at step 4) neither drags the EMAs up nor leaves a noise unit that hides every
     later rise for hundreds of steps, while a run whose first loss was 0 or tiny finds its level from
-    its fourth loss (the median is then the new level). At the ``min_count``-th loss the noise restarts
-    from the median step-to-step change of the last ten losses (:meth:`_known`).
+    its fourth loss (the median is then the new level). The very first loss enters whole: a huge one
+    still inflates the noise for a long while.
 
     With ``early_rise``, in those first losses, an instability also begins when the fast EMA is that
     fraction above the reference and :attr:`EARLY_GATE` noise units above it, the noise as it was
@@ -165,6 +166,10 @@ class LossTrend:
     #: ``early_rise`` also needs the fast EMA this many noise units above the reference (measured on
     #: synthetic flat losses: a loss at a floor with spikes, normal and lognormal noise, 200 seeds each).
     EARLY_GATE = 3.0
+    #: Before ``min_count`` losses, a loss enters at most this many times its level above it (x3 in all:
+    #: tighter biased the EMAs of skewed losses, mostly 0 with a few large values, low; looser let one
+    #: x1000 loss leave a noise unit that hid a x2 rise 60 steps later).
+    EARLY_BOUND = 2.0
 
     def __init__(self, *, enter_z: float = 3.0, exit_z: float = 1.0, fast: float = 0.2, slow: float = 0.02,
                  min_count: int = 20, max_steps: int = 128, early_rise: Optional[float] = None) -> None:
@@ -186,22 +191,22 @@ class LossTrend:
         """Add one finite loss and update :attr:`unstable`."""
         if self.count == 0:
             self.fast = self.slow = loss
-        seen: List[float] = []
         if self.count >= self.min_count:
             loss = min(loss, self.fast + 6.0 * self._unit())  # one bad batch moves the EMAs little
-        else:  # no noise unit to trust yet: at most twice the larger of the fast EMA and the median so far
+        else:  # no noise unit to trust yet: at most 3x the larger of the fast EMA and half the median
             raw, scale = loss, self.fast
             if self.early:  # an EMA far below the losses' lower median lags a start at or near 0
                 scale = max(scale, 0.5 * statistics.median_low(self.early))
-            if self.count and scale != 0:  # twice a positive level; a negative one bounds at 0
-                loss = min(loss, scale + abs(scale))
-            seen = self.early + [raw]
-            self.early = seen if self.count + 1 < self.min_count else []
+            if self.count and scale != 0:  # three times a positive level; a negative one bounds at 0
+                loss = min(loss, scale + self.EARLY_BOUND * abs(scale))
+            self.early = self.early + [raw] if self.count + 1 < self.min_count else []
         dev = abs(loss - self.fast)
         self.fast += self.fast_a * (loss - self.fast)
         self.count += 1
-        if self.count == self.min_count and len(seen) > 2:
-            self._known(seen)
+        if self.unstable and self.count <= self.min_count:  # begun early: the noise is still being learnt
+            self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
+        if self.count == self.min_count:
+            self._known()
         if self.unstable:
             self.since += 1
             if (self.fast - self.ref) < self.exit_z * self._unit() or self.since > self.max_steps:
@@ -225,20 +230,13 @@ class LossTrend:
         if rise:
             self.unstable, self.ref, self.since = True, self.slow, 0
 
-    def _known(self, seen: List[float]) -> None:
-        """The ``min_count``-th loss: the noise restarts from the median step-to-step change of the last
-        ten losses as they came (a huge first loss or a fast early fall had inflated the mean deviation
-        for hundreds of steps), and an instability begun by ``early_rise`` ends unless the noise rule,
-        with that noise, would have begun it (a flat noisy loss whose first losses were low would
-        otherwise be held for ``max_steps``); otherwise the reference restarts from the fast EMA (a
-        first loss lower than the level the run settles at is not a rise for the noise rule to find
-        the moment its noise is small)."""
-        tail = seen[-11:]
-        self.noise = statistics.median(abs(b - a) for a, b in zip(tail, tail[1:]))
+    def _known(self) -> None:
+        """The ``min_count``-th loss: an instability begun by ``early_rise`` ends unless the noise rule, with
+        the noise measured so far (through the instability too), would have begun it (a flat noisy loss whose first losses were low
+        would otherwise be held for ``max_steps``)."""
         if self.unstable and self.fast - self.ref <= self.enter_z * self._unit():
             self.unstable = False
-        if not self.unstable:  # the noise rule starts from the level reached (a rise over the first losses
-            self.slow = self.fast  # was early_rise's to judge, with its own noise)
+            self.slow = self.fast
 
     #: Losses the trend needs before it calls one calm (:meth:`calm`).
     CALM_AFTER = 8
