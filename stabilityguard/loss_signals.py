@@ -232,8 +232,8 @@ class LossTrend:
 
     def _known(self) -> None:
         """The ``min_count``-th loss: an instability begun by ``early_rise`` ends unless the noise rule, with
-        the noise measured so far (through the instability too), would have begun it (a flat noisy loss whose first losses were low
-        would otherwise be held for ``max_steps``)."""
+        the noise measured so far (through the instability too), would have begun it (a flat noisy loss
+        whose first losses were low would otherwise be held for ``max_steps``)."""
         if self.unstable and self.fast - self.ref <= self.enter_z * self._unit():
             self.unstable = False
             self.slow = self.fast
