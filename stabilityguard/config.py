@@ -98,10 +98,10 @@ class GuardConfig:
     begins when the loss's fast EMA is this fraction above its reference (the fast EMA of the first 3
     losses, then following it down at once and up slowly) and 3 noise units above it, the noise measured
     before the rise (> 0; ``None``: only the noise rule); at the 20th loss such an instability ends
-    unless the noise rule, with the noise then known, confirms it. A positive loss that climbs well above where the
-    run started is diverging (an LR too high from the first steps); early losses enter the trend bounded
-    (at most three times its level), so one outlier does not. Measured in ``bench/protection.py`` (README,
-    "Protection")."""
+    unless the noise rule, with the noise then known, confirms it. A positive loss that climbs well above
+    where the run started is diverging (an LR too high from the first steps); early losses enter the
+    trend bounded (at most three times its level), so one outlier does not. Measured in
+    ``bench/protection.py`` (README, "Protection")."""
 
     instability_lr: Optional[float] = 0.5
     """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor; the
