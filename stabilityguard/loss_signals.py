@@ -121,11 +121,10 @@ class LossTrend:
 
     Before ``min_count`` losses the noise is not known yet: a loss enters at most at three times the
     larger of the fast EMA and half the lower median of the losses so far (:attr:`EARLY_BOUND`; a
-    negative level bounds at 0), so one
-    huge early loss (x1000 at step 4) neither drags the EMAs up nor leaves a noise unit that hides every
-    later rise for hundreds of steps, while a run whose first loss was 0 or tiny finds its level from
-    its fourth loss (the median is then the new level). The very first loss enters whole: a huge one
-    still inflates the noise for a long while.
+    negative level bounds at 0), so one huge early loss (x1000 at step 4) neither drags the EMAs up nor
+    leaves a noise unit that hides every later rise for hundreds of steps, while a run whose first loss
+    was 0 or tiny finds its level from its fourth loss (the median is then the new level). The very
+    first loss enters whole: a huge one still inflates the noise for a long while.
 
     With ``early_rise``, in those first losses, an instability also begins when the fast EMA is that
     fraction above the reference and :attr:`EARLY_GATE` noise units above it, the noise as it was
@@ -203,17 +202,15 @@ class LossTrend:
         dev = abs(loss - self.fast)
         self.fast += self.fast_a * (loss - self.fast)
         self.count += 1
-        if self.unstable and self.count <= self.min_count:  # begun early: the noise is still being learnt
+        if not self.unstable or self.count <= self.min_count:  # an instability begun early: still learning it
             self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
         if self.count == self.min_count:
             self._known()
         if self.unstable:
             self.since += 1
             if (self.fast - self.ref) < self.exit_z * self._unit() or self.since > self.max_steps:
-                self.unstable = False
-                self.slow = self.fast
+                self._end()
             return
-        self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
         if self.count <= self.SETTLE:  # the reference starts from the fast EMA of a few losses, not one
             self.slow = self.fast
         else:  # it follows the fast EMA down at once and up slowly (a falling loss is no lag)
@@ -235,8 +232,13 @@ class LossTrend:
         the noise measured so far (through the instability too), would have begun it (a flat noisy loss
         whose first losses were low would otherwise be held for ``max_steps``)."""
         if self.unstable and self.fast - self.ref <= self.enter_z * self._unit():
-            self.unstable = False
-            self.slow = self.fast
+            self._end()
+
+    def _end(self) -> None:
+        """End the instability: the reference restarts from the fast EMA (the loss is back, or its higher
+        level is a new one)."""
+        self.unstable = False
+        self.slow = self.fast
 
     #: Losses the trend needs before it calls one calm (:meth:`calm`).
     CALM_AFTER = 8
@@ -252,8 +254,7 @@ class LossTrend:
         if self.unstable:
             self.since += 1
             if self.since > self.max_steps:
-                self.unstable = False
-                self.slow = self.fast
+                self._end()
 
     _FIELDS = ("count", "fast", "slow", "noise", "unstable", "ref", "since", "calm_noise")
 

@@ -3,7 +3,8 @@
 This module is the torch adapter only: :mod:`.stats` measures, :mod:`.policy` decides (pure floats),
 :mod:`.actions` applies (takes or refuses the step), :mod:`.emit` builds the records and keeps the run's
 log, the sinks deliver. :mod:`.features` builds the opt-in features, :mod:`.checkpoint` assembles the
-guard's state (and gives the class its checkpoint methods), :mod:`.hooks` runs torch's step hooks, :mod:`.arguments` checks the arguments.
+guard's state (and gives the class its checkpoint methods), :mod:`.hooks` runs torch's step hooks,
+:mod:`.arguments` checks the arguments.
 """
 
 from __future__ import annotations

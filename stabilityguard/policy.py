@@ -148,8 +148,8 @@ class GuardPolicy:
         level_shift_spread: Largest / smallest ratio of a run that still counts as consistent.
         instability_clip: Global-norm cap (x its held baseline) during a loss instability (``None``: off).
         instability_z: Rise of the loss, in noise units, that begins an instability.
-        instability_rise: Rise of the loss over its lowest level, as a fraction of it, that begins an
-            instability before the loss's noise is known (``None``: off).
+        instability_rise: Rise of the loss's fast EMA over its reference, as a fraction of it (and 3 early
+            noise units), that begins an instability before the loss's noise is known (``None``: off).
         spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
         calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
             new level is accepted (``None``: ``level_shift_steps`` for every run).
