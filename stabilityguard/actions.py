@@ -399,7 +399,8 @@ class Containment:
         self.buffers = BufferGuard([])
         self.rollback: Optional[RollbackManager] = None
         self._warned_measured = False
-        self.lr_factor: Optional[float] = None  # instability_lr's factor on the step being taken (None: none)
+        #: The LR factors of the step being taken (instability_lr's, SPAM's), in the order they were applied.
+        self.lr_factors: Tuple[float, ...] = ()
 
     def reindex(self, model: Optional[torch.nn.Module], index: Any, step: int) -> None:
         """Follow a new parameter index: guard the owned buffers, one group per module; with rollback,
@@ -423,7 +424,7 @@ class Containment:
         """Discard the step's gradients, put back the buffers its forward pass wrote (and mark them: they are
         the state the next refused step returns to); count it as skipped."""
         skip_step(self.optimizer)
-        self.lr_factor = None
+        self.lr_factors = ()
         self.buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
         self.buffers.mark()
         counters.skipped += 1
@@ -465,10 +466,10 @@ class Containment:
 
     def take(self, step: int, index: Any, collector: Any, layer_norms: List[float], global_norm: float,
              factors: Optional[Sequence[float]], measured: bool = False,
-             unstable: bool = False) -> Optional[List[float]]:
+             lr_factor: Optional[float] = None) -> Optional[List[float]]:
         """Take step ``step``: :meth:`scale` (``factors``: an outlier's, or ``None``), the per-layer clip,
-        the wrapped step (SPAM's LR factor around it, and ``instability_lr`` while the loss is
-        ``unstable``, not in monitor mode: :attr:`lr_factor`; with ``track_update_size`` measured by
+        the wrapped step (SPAM's LR factor around it, and ``lr_factor``, ``instability_lr``'s during and
+        after a loss instability, not in monitor mode: :attr:`lr_factors`; with ``track_update_size`` measured by
         ``collector``), the snapshot schedule. Returns the layer norms the per-layer clip clipped, if it
         did. ``measured``: the norms came from ``measure()`` and the gradients may have been clipped since,
         so neither ``clip_grad_norm`` nor the per-layer clip is applied (said once)."""
@@ -485,11 +486,12 @@ class Containment:
             layer_norms = self.scale(index, layer_norms, global_norm, factors, max_norm)
         clipped = not measured and features.clipper is not None and features.clipper.apply(layer_norms)
         update = features.spam.step if features.spam is not None else self.optimizer.step
-        lr_factor = self.config.instability_lr if unstable and self.config.nan_action != "monitor" else None
+        if self.config.nan_action == "monitor":
+            lr_factor = None  # monitor mode trains as the plain optimizer would
         if lr_factor is not None and lr_factor < 1.0:
             update = with_lr_factor(self.optimizer, lr_factor, update)
-        used = (lr_factor or 1.0) * (features.spam.factor if features.spam is not None else 1.0)
-        self.lr_factor = used if used < 1.0 else None  # both LR factors of this step, for its records
+        spam_factor = features.spam.factor if features.spam is not None else 1.0
+        self.lr_factors = tuple(f for f in (lr_factor, spam_factor) if f is not None and f < 1.0)
         if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
             collector.measure_update(update, step)
         else:
@@ -497,6 +499,20 @@ class Containment:
         if self.rollback is not None:
             self.rollback.after_accepted_step(step + 1)
         return layer_norms if clipped else None
+
+    @property
+    def lr_factor(self) -> Optional[float]:
+        """The product of :attr:`lr_factors`, the step's LR factor (``None``: none)."""
+        return math.prod(self.lr_factors) if self.lr_factors else None
+
+    def scaled_lr(self, lr: Any) -> Any:
+        """``lr`` as the step just taken used it: times its LR factors in the order they were applied, so
+        the records show the very float the optimizer saw (``None``, Adafactor's, as is)."""
+        if lr is None:
+            return None
+        for f in self.lr_factors:
+            lr = lr * f
+        return lr
 
     @staticmethod
     def scale(index: Any, layer_norms: List[float], global_norm: float, factors: Optional[Sequence[float]],

@@ -104,10 +104,20 @@ class GuardConfig:
     ``bench/protection.py`` (README, "Protection")."""
 
     instability_lr: Optional[float] = 0.5
-    """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor; the
-    LR the scheduler set is restored right after the step, so schedules go on undisturbed (in (0, 1];
-    ``None``: off). Not in ``monitor`` mode. Needs what the hold needs (``graded_response``,
-    ``instability_clip`` on, a loss). Measured in ``bench/protection.py`` (README, "Protection")."""
+    """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor
+    (times the factor still in force when an instability begins during the recovery from an earlier one,
+    never below 0.1 or this factor); the LR the scheduler set is restored right after each step, so
+    schedules go on undisturbed (in (0, 1]; ``None``: off). Not in ``monitor`` mode. Needs what the hold
+    needs (``graded_response``, ``instability_clip`` on, a loss). Measured in ``bench/protection.py``
+    (README, "Protection")."""
+
+    instability_lr_recovery: int = 100
+    """After a loss instability, the ``instability_lr`` factor ``f`` returns linearly to 1 over this many
+    accepted steps: the k-th step after it takes ``f + (1 - f) * k / instability_lr_recovery`` of the LR
+    (>= 0; 0 or 1: the LR is back in full on the first step after it). An LR too high is still too high
+    when the loss has come back down: restored at once, the next instability follows. The shape of
+    SPAM's LR backoff, and its default length (``spam_recovery_steps``). Measured in
+    ``bench/protection.py`` (README, "Protection")."""
 
     spike_jump: Optional[float] = 4.0
     """A critical spike must be sudden: besides a ratio over ``spike_threshold``, the layer's norm must be
@@ -297,6 +307,7 @@ class GuardConfig:
         _check_number("instability_z", self.instability_z, low=0.0, low_inclusive=False)
         _check_number("instability_rise", self.instability_rise, low=0.0, low_inclusive=False, none_ok=True)
         _check_number("instability_lr", self.instability_lr, low=0.0, low_inclusive=False, high=1.0, none_ok=True)
+        _check_int("instability_lr_recovery", self.instability_lr_recovery, low=0)
         _check_number("spike_jump", self.spike_jump, low=1.0, none_ok=True)
         _check_number("loss_z_threshold", self.loss_z_threshold, low=0.0, low_inclusive=False, none_ok=True)
         _check_int("loss_window", self.loss_window, low=20, high=MAX_WINDOW)

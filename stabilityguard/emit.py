@@ -269,10 +269,11 @@ class RunLog:
             self.events.flight_record(max(due - 1, 0) if final else due, incident, window)
 
     def summary(self, step: int, stats: Any, lr: Optional[float], post_clip: Optional[float],
-                clipped_layers: Optional[int]) -> None:
-        """The ``summary`` record; closes the summary window."""
+                clipped_layers: Optional[int], lr_factor: Optional[float] = None) -> None:
+        """The ``summary`` record (``lr`` as the step used it, ``lr_factor`` the guard's factor in it);
+        closes the summary window."""
         self.events.summary(step, self.counters, stats, lr, post_clip, threshold=self.threshold,
-                            clipped_layers=clipped_layers, **self.window.close())
+                            clipped_layers=clipped_layers, lr_factor=json_float(lr_factor), **self.window.close())
 
 
 def build_dispatcher(config: Any, rank: int, extra: List[Sink]) -> Tuple[SinkDispatcher, bool]:

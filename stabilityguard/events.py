@@ -15,7 +15,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
-SCHEMA_VERSION = "1.5"
+SCHEMA_VERSION = "1.6"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 
@@ -149,7 +149,9 @@ class StepSummary(GuardEvent):
     would have refused). Early signals: ``loss_trend`` (this window's mean loss over the previous
     window's, minus 1) and, with ``track_update_size``, ``update_rms_mean`` (mean RMS parameter change). With ``enable_helene`` (schema 1.3),
     ``post_clip_global_norm`` is the norm after the per-layer clip of this step and ``clipped_layers`` how
-    many layers it scaled down (``global_norm`` stays the pre-clip norm).
+    many layers it scaled down (``global_norm`` stays the pre-clip norm). ``lr_factor`` (schema 1.6) is
+    the guard's factor in this step's ``lr`` (``instability_lr``'s during and after a loss instability,
+    times SPAM's), ``None`` when there was none: ``lr / lr_factor`` is the scheduler's LR.
     """
 
     kind: ClassVar[EventKind] = EventKind.STEP_SUMMARY
@@ -173,6 +175,7 @@ class StepSummary(GuardEvent):
     loss_max: Optional[float] = None
     refused_max_ratio: Optional[float] = None
     refused_max_ratio_layer: Optional[str] = None
+    lr_factor: Optional[float] = None
     clipped: int = 0
     would_refuse: int = 0
     update_rms_mean: Optional[float] = None

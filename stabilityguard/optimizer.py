@@ -265,8 +265,13 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
         if self._origin is not None:
             self._origin.take(torch.device("cpu"))  # this batch's norm must not leak into the next step
         self._log.skip(step, reason, self._lr())
-        if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
-            self._log.summary(step, None, self._lr(), *self._features.post_clip(self._clip_input))
+        if (step + 1) % self.config.log_every == 0:
+            self._summary(step, None)
+
+    def _summary(self, step: int, stats: Optional[GradStats]) -> None:
+        # the post-clip norms: a sync, for summaries only
+        self._log.summary(step, stats, self._lr(), *self._features.post_clip(self._clip_input),
+                          lr_factor=self._containment.lr_factor)
 
     def _guarded_step(self, closure: Optional[Callable[[], Any]], loss: Any) -> Any:
         if self._loads is not None:
@@ -281,7 +286,7 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
         self._pending_loss = None
         step = self.counters.steps
         self._clip_input = None
-        self._containment.lr_factor = None
+        self._containment.lr_factors = ()
         stats, self._measured = self._measured, None
         self._from_measure = stats is not None
         if stats is None:
@@ -310,8 +315,8 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
             self._containment.buffers.mark()
         if self._log.recorder.open:  # flight records fall due only after an incident
             self._log.flight_records(step)
-        if (step + 1) % self.config.log_every == 0:  # the post-clip norms: a sync, for summaries only
-            self._log.summary(step, stats, self._lr(), *self._features.post_clip(self._clip_input))
+        if (step + 1) % self.config.log_every == 0:
+            self._summary(step, stats)
         if error is not None:
             raise error
         return loss
@@ -346,7 +351,7 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
             self._log.events.clip(step, verdict.factors, verdict.reasons, verdict.loss_z)
         self._clip_input = self._containment.take(step, self._index, self._collector, stats.layer_norms,
                                                   stats.global_norm, factors, self._from_measure,
-                                                  self._policy.unstable)
+                                                  self._policy.lr_factor)
         self.counters.accepted += 1
         if decision is not None:
             self._log.record(step, stats, decision.max_ratio, decision.max_index, record, False, self._lr(),
@@ -355,8 +360,7 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
     def _lr(self) -> Optional[float]:
         """The first parameter group's LR as this step used it (what records and summaries show)."""
         lr = self.param_groups[0].get("lr") if self.param_groups else None
-        factor = self._containment.lr_factor  # instability_lr's, on a step taken during an instability
-        return lr * factor if lr is not None and factor is not None else lr
+        return self._containment.scaled_lr(lr)  # instability_lr's factor (during and after an instability), SPAM's
 
     def _incident(self, nonfinite: bool, step: int, stats: GradStats, verdict: Optional[Verdict],
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:

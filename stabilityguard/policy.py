@@ -42,6 +42,9 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   applied only while the loss says something is wrong). Before the trend knows the loss's noise (its
   first 20 losses), a loss EMA ``instability_rise`` (and 3 early noise units) above its reference begins
   one too: an LR too high from the first steps drives the loss well above where the run started.
+  The policy also gives the LR factor of each step it accepts (:attr:`GuardPolicy.lr_factor`,
+  ``instability_lr`` during an instability, back to 1 over ``instability_lr_recovery`` steps after it:
+  :class:`~stabilityguard.backoff.InstabilityBackoff`); the adapter applies it around the wrapped step.
 * **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
   steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
@@ -87,6 +90,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .backoff import InstabilityBackoff
 from .detector import Decision, SpikeDetector
 from .loss_signals import LossMonitor, LossTrend
 
@@ -150,6 +154,8 @@ class GuardPolicy:
         instability_z: Rise of the loss, in noise units, that begins an instability.
         instability_rise: Rise of the loss's fast EMA over its reference, as a fraction of it (and 3 early
             noise units), that begins an instability before the loss's noise is known (``None``: off).
+        instability_lr: LR factor of the steps taken during an instability (``None``: none).
+        instability_lr_recovery: Accepted steps over which that factor returns to 1 after it.
         spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
         calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
             new level is accepted (``None``: ``level_shift_steps`` for every run).
@@ -181,6 +187,8 @@ class GuardPolicy:
         instability_clip: Optional[float] = 1.0,
         instability_z: float = 3.0,
         instability_rise: Optional[float] = 0.5,
+        instability_lr: Optional[float] = 0.5,
+        instability_lr_recovery: int = 100,
         spike_jump: Optional[float] = 4.0,
         calm_shift_steps: Optional[int] = 2,
         early_clip: bool = True,
@@ -196,6 +204,12 @@ class GuardPolicy:
         if graded and instability_clip is not None:
             self.trend = LossTrend(enter_z=instability_z, max_steps=loss_window, early_rise=instability_rise)
         self.calm_shift_steps = int(calm_shift_steps) if (self.trend is not None and calm_shift_steps) else None
+        #: ``instability_lr``'s factor, during and after loss instabilities (``None``: no trend or no factor).
+        self.backoff: Optional[InstabilityBackoff] = None
+        if self.trend is not None and instability_lr is not None:
+            self.backoff = InstabilityBackoff(instability_lr, recovery_steps=instability_lr_recovery)
+        #: The LR factor of the step the last commit accepted (``None``: 1, or a refused step).
+        self.lr_factor: Optional[float] = None
         #: Consecutive refused steps, up to the last one, whose loss was calm (see ``calm_shift_steps``).
         self.calm_refused = 0
         #: Layers whose new level was accepted early (a consistent run), with the baselines of their
@@ -243,7 +257,8 @@ class GuardPolicy:
                    loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
                    level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread,
                    instability_clip=cfg.instability_clip, instability_z=cfg.instability_z,
-                   instability_rise=cfg.instability_rise,
+                   instability_rise=cfg.instability_rise, instability_lr=cfg.instability_lr,
+                   instability_lr_recovery=cfg.instability_lr_recovery,
                    spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip,
                    coherent_share=cfg.coherent_share)
 
@@ -268,8 +283,10 @@ class GuardPolicy:
 
     def nonfinite(self) -> None:
         """A step with NaN/Inf, refused before any decision: it ends a calm run of spikes (a fault that
-        also produces NaN/Inf is not a new level of the model, see ``calm_shift_steps``)."""
+        also produces NaN/Inf is not a new level of the model, see ``calm_shift_steps``), and takes no LR
+        factor."""
         self.calm_refused = 0
+        self.lr_factor = None
 
     def _decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
                 loss: Optional[float]) -> Verdict:
@@ -458,7 +475,8 @@ class GuardPolicy:
     # ------------------------------------------------------------------ committing
     def commit(self, verdict: Verdict, values: Sequence[float], present: Optional[Sequence[bool]],
                loss: Optional[float], global_norm: Optional[float] = None) -> List[float]:
-        """Apply a verdict to the state; returns the baselines as they were before it."""
+        """Apply a verdict to the state and set :attr:`lr_factor` for this step (``None`` when refused);
+        returns the baselines as they were before it."""
         det, decision = self.detector, verdict.decision
         view = self._global_view(values, present, global_norm if global_norm is not None else
                                  math.sqrt(sum(v * v for v in values[: self.n_layers])))
@@ -528,6 +546,8 @@ class GuardPolicy:
                 self.trend.add(loss)
             else:
                 self.trend.tick()
+        # the LR factor of the step being taken: the trend as this step's loss left it
+        self.lr_factor = self.backoff.step(self.unstable) if (accepted and self.backoff is not None) else None
         return before
 
     def _provisional_levels(self, verdict: Verdict, before: List[float], values: Sequence[float],
@@ -586,6 +606,7 @@ class GuardPolicy:
             "runs": {names[i]: list(r) for i, r in enumerate(self.runs) if r},
             "outlier_runs": {names[i]: list(r) for i, r in enumerate(self.outlier_runs) if r},
             "trend": self.trend.state_dict() if self.trend is not None else None,
+            "backoff": self.backoff.state_dict() if self.backoff is not None else None,
             "last": None if self.last is None else {names[i]: v for i, v in enumerate(self.last)},
             "calm_refused": self.calm_refused,
             "provisional": {names[i]: {"old": {names[j]: v for j, v in old.items()}, "left": left}
@@ -617,6 +638,11 @@ class GuardPolicy:
                 self.trend = LossTrend(enter_z=self.trend.enter_z, max_steps=self.trend.max_steps,
                                        early_rise=self.trend.early_rise)
             self.trend.load_state_dict(state.get("trend") or {})
+        self.lr_factor = None
+        if self.backoff is not None:  # a checkpoint from before it: no factor in force (an instability
+            # under way at the checkpoint drops the LR again at its next step, as it did then)
+            self.backoff = InstabilityBackoff(self.backoff.factor, recovery_steps=self.backoff.recovery_steps)
+            self.backoff.load_state_dict(state.get("backoff") or {})
         self.calm_refused = int(state.get("calm_refused", 0))
         pos = {n: i for i, n in enumerate(names)}
         self.provisional = {}

@@ -414,6 +414,36 @@ def test_during_an_instability_the_global_norm_is_held_at_its_baseline():
     assert not held.unstable
 
 
+@pytest.mark.parametrize("kw, factor", [({}, 0.5), ({"instability_lr": 0.2}, 0.2), ({"instability_lr": None}, None),
+                                        ({"graded": False}, None), ({"instability_clip": None}, None)])
+def test_the_lr_factor_follows_the_instability_and_comes_back_over_the_recovery(kw, factor):
+    """lr_factor (what the adapter applies to the step being taken): instability_lr during the instability,
+    then back to 1 linearly over instability_lr_recovery accepted steps; None for a clean stretch, a refused
+    step, and without a factor or a trend (graded_response=False, instability_clip=None)."""
+    pol = make(ema_alpha=0.05, instability_lr_recovery=20, **kw)
+    warm(pol, 60, rng=random.Random(0))
+    assert pol.lr_factor is None
+    rng, got = random.Random(3), []
+    for _ in range(30):  # the loss rises, the norms grow 2x: an instability
+        _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
+        got.append((pol.unstable, pol.lr_factor))
+    for _ in range(60):
+        feed(pol, [1.0, 1.0], loss=1.0 + 0.01 * rng.random())
+        got.append((pol.unstable, pol.lr_factor))
+    if factor is None:
+        assert {f for _, f in got} == {None}
+        return
+    during = [f for u, f in got if u]
+    assert during and set(during) == {factor}
+    end = max(i for i, (u, _) in enumerate(got) if u) + 1
+    back = [f for _, f in got[end:end + 20]]
+    assert back[:-1] == pytest.approx([factor + (1 - factor) * k / 20 for k in range(1, 20)])
+    assert back[-1] is None and {f for _, f in got[end + 20:]} == {None}  # in full again
+    v = pol.decide([500.0, 1.0], None, 500.0, 1.0)  # a refused step takes no factor
+    pol.commit(v, [500.0, 1.0], None, 1.0, 500.0)
+    assert v.kind == REFUSE and pol.lr_factor is None
+
+
 def test_without_a_loss_there_is_no_instability_mode():
     pol = make()
     warm(pol, 60)

@@ -447,3 +447,38 @@ def test_level_change_lines_for_every_kind_of_baseline_reset_record(tmp_path):
     assert "fell back to its old level; the level taken early was undone" in lines[220]
     assert "for 2 steps in a row; its new level was accepted (baseline n/a -> 3)" in lines[230]
     assert ".0 steps" not in md and "nan steps" not in md
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_the_lr_on_its_way_back_after_an_instability_is_no_warm_up(tmp_path, scheduled):
+    """instability_lr's factor comes back over instability_lr_recovery steps after an instability: the
+    summaries' lr (as the step used it) then rises like a warm-up, and a constant-LR run had its "warm-up"
+    end at step 149 (an outside review). The summaries carry lr_factor (schema 1.6), which warmup_end
+    divides out; a real warm-up is still found."""
+    import torch
+
+    from stabilityguard import GuardedOptimizer
+    from stabilityguard.reports.postmortem import warmup_end
+    from stabilityguard.testing import MarkovData
+
+    from .conftest import BATCH, SEQ, VOCAB, make_model
+
+    data = MarkovData(vocab_size=VOCAB, seed=0)
+    model = make_model(0)
+    base = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(base, lambda s: min(1.0, (s + 1) / 60)) if scheduled else None
+    opt = GuardedOptimizer(base, model, log_dir=str(tmp_path), verbose=False, warmup_steps=5, log_every=10)
+    for step in range(160):
+        x, y = data.batch(BATCH, SEQ)
+        loss = model.loss(x, y) * (4.0 if 4 <= step < 12 else 1.0)  # an early instability
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    opt.close()
+    run = load_run(tmp_path)
+    factors = run.steps["lr_factor"]
+    assert factors.notna().any() and (factors.dropna() < 1.0).all()  # the way back, in the summaries
+    assert run.steps["lr"].iloc[0] < run.steps["lr"].max()  # as the step used it, it rises
+    assert warmup_end(run) == (59 if scheduled else None)

@@ -34,6 +34,7 @@ CONFIGS = {
     "early_instability": {},  # the default guard through a loss that climbs in the first steps (EARLY)
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
+    "recovery": {},  # the default guard with instability_lr's factor on its way back at the cut (RECOVER)
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
     "everything": {"nan_action": "rollback", "rollback_interval": 5, "enable_spam": True,
                    "enable_auto_calibration": True, "auto_calibration_warmup_steps": 12, "enable_helene": True,
@@ -50,6 +51,9 @@ EARLY = range(4, CUT + 4)
 #: Steps where one layer's gradient is x30 with an ordinary loss: refused at the last step before the
 #: checkpoint, accepted as a new level at the first one after it (calm_shift_steps=2; config "calm_shift").
 SHIFT = range(CUT - 1, CUT + 4)
+#: Steps whose loss is x3 (config "recovery"): an instability that ends before the checkpoint, so instability_lr's
+#: factor is on its way back to 1 there, and a second one after it, which compounds the factor still in force.
+RECOVER = [*range(14, 24), *range(42, 56)]
 #: Steps where one layer has no gradient (config "layer_set"): the global baseline describes the other
 #: layers at the checkpoint (``GuardPolicy.global_layers``) and all of them again after it.
 ABSENT = range(CUT - 4, CUT + 3)
@@ -67,11 +71,11 @@ def _build(cfg):
     return model, opt
 
 
-def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False, early=False):
+def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False, early=False, recover=False):
     for step in range(start, stop):
         x, y = batches[step]
         loss = model.loss(x, y)
-        if rise and step in RISE:
+        if (rise and step in RISE) or (recover and step in RECOVER):
             loss = loss * 3.0
         if early and step in EARLY:
             loss = loss * 4.0
@@ -100,9 +104,9 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     cfg = CONFIGS[name]
     batches = _batches()
     rise, shift, absent = name == "instability", name == "calm_shift", name == "layer_set"
-    early = name == "early_instability"
+    early, recover = name == "early_instability", name == "recovery"
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, STEPS, rise, shift, absent, early)
+    _train(model, opt, batches, 0, STEPS, rise, shift, absent, early, recover)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_counters = opt.counters
     ref_policy = opt.state_dict()["stabilityguard"]["policy"]
@@ -114,8 +118,10 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
         assert opt._policy.unstable and opt._policy.trend.count < opt._policy.trend.min_count
         _train(model, opt, batches, 12, CUT, early=True)
     else:
-        _train(model, opt, batches, 0, CUT, rise, shift, absent)
+        _train(model, opt, batches, 0, CUT, rise, shift, absent, recover=recover)
     assert opt._policy.unstable == (rise or early)  # the instability is under way at the checkpoint
+    backoff = opt._policy.backoff  # None without the trend (graded_response=False)
+    assert (backoff is not None and backoff.start < 1.0 and backoff.since > 0) == recover  # on its way back
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
     assert (opt._policy.global_layers is not None) == absent  # the global baseline describes a subset
     buf = io.BytesIO()
@@ -130,7 +136,9 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     else:
         opt.load_state_dict(ckpt["opt"])
         model.load_state_dict(ckpt["model"])
-    _train(model, opt, batches, CUT, STEPS, rise, shift, absent, early)
+    _train(model, opt, batches, CUT, STEPS, rise, shift, absent, early, recover)
+    if recover:  # the second instability dropped from the factor still in force: below instability_lr
+        assert opt._policy.backoff.start < 0.5
     for k, v in model.state_dict().items():  # bit for bit (NaN where monitor mode let a NaN step through)
         torch.testing.assert_close(v, ref[k], rtol=0, atol=0, equal_nan=True, msg=f"{name}: {k} differs after resume")
     assert opt.counters == ref_counters
@@ -195,12 +203,14 @@ def test_helene_resume_is_bit_for_bit_in_other_dtypes(dtype):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
-@pytest.mark.parametrize("cfg, applied", [({}, True), ({"instability_lr": 0.2}, True), ({"instability_lr": None}, False),
+@pytest.mark.parametrize("cfg, applied", [({}, True), ({"instability_lr": 0.2}, True),
+                                          ({"instability_lr_recovery": 0}, True), ({"instability_lr": None}, False),
                                           ({"nan_action": "monitor"}, False)])
 def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     """instability_lr: while the loss trend says the run is unstable (the RISE scenario), the wrapped optimizer
-    steps with its LR times the factor; the LR is back at once after each step (a scheduler never sees it),
-    and the flight recorder shows the LR the step used. Off with None and in monitor mode."""
+    steps with its LR times the factor, and after the instability the factor returns linearly to 1 over
+    instability_lr_recovery steps (0: at once); the scheduler's LR is back after each step (a scheduler never
+    sees the factor), and the flight recorder shows the LR the step used. Off with None and in monitor mode."""
     batches = _batches()
     model, opt = _build(cfg)
     seen = []  # (LR at the wrapped step, unstable)
@@ -211,27 +221,38 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
         _train(model, opt, batches, step, step + 1, rise=True)
         after.append(opt.param_groups[0]["lr"])
     factor = cfg.get("instability_lr", 0.5) if applied else 1.0
-    during = {lr for lr, unstable in seen if unstable}
-    outside = {lr for lr, unstable in seen if not unstable}
-    assert during and outside == {3e-3} and set(after) == {3e-3}
-    assert during == {3e-3 * factor}  # the same float product the guard computes
-    recorded = {row["lr"] for row in opt.recorder.window()}
-    assert recorded <= {3e-3, 3e-3 * factor} and (not applied or len(recorded) == 2)
+    recovery = cfg.get("instability_lr_recovery", 100)
+    first = next(i for i, (_, u) in enumerate(seen) if u)
+    end = max(i for i, (_, u) in enumerate(seen) if u) + 1
+    assert all(u for _, u in seen[first:end]) and set(after) == {3e-3}  # one instability; the LR never kept
+    assert {lr for lr, _ in seen[:first]} == {3e-3}
+    assert {lr for lr, _ in seen[first:end]} == {3e-3 * factor}  # the same float product the guard computes
+    back = [lr for lr, _ in seen[end:]]
+    if not applied or recovery == 0:
+        assert set(back) <= {3e-3}
+    else:  # the way back: one (1 - factor) / recovery of the LR per step (the run ends before it is over)
+        assert 0 < len(back) < recovery
+        assert back == pytest.approx([3e-3 * (factor + (1 - factor) * k / recovery) for k in range(1, len(back) + 1)],
+                                     rel=1e-12, abs=0)
+    recorded = [row["lr"] for row in opt.recorder.window() if row["action"] in ("accepted", "clip")]
+    assert recorded == [lr for lr, _ in seen][-len(recorded):]
     opt.close()
 
 
 def test_summaries_show_the_lr_the_step_used():
+    """Each step_summary (log_every=1) shows the LR its step used: the schedule's, times instability_lr's
+    factor during the instability and on the way back."""
     batches = _batches()
     model, opt = _build({"log_every": 1})
     summaries = []
     opt.add_sink(type("Capture", (), {"emit": lambda self, e: summaries.append(e) if e.kind == "step_summary"
                                       else None})())
-    unstable = []
-    for step in range(STEPS):
-        _train(model, opt, batches, step, step + 1, rise=True)
-        unstable.append(opt._containment.lr_factor is not None)
-    assert any(unstable)
-    assert [s.lr for s in summaries] == [1.5e-3 if u else 3e-3 for u in unstable]
+    seen = {}
+    opt.base_optimizer.register_step_pre_hook(
+        lambda o, args, kwargs: seen.__setitem__(opt.counters.steps, o.param_groups[0]["lr"]))
+    _train(model, opt, batches, 0, STEPS, rise=True)
+    assert len({lr for lr in seen.values()}) > 3  # full, halved, and the way back
+    assert [s.lr for s in summaries] == [seen.get(s.step, 3e-3) for s in summaries]
     opt.close()
 
 

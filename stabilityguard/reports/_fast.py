@@ -32,10 +32,10 @@ BLOCK_BYTES = 4 << 20
 
 SUMMARY_FLOATS = ("time", "global_norm", "max_ratio", "loss", "lr", "threshold")
 SUMMARY_INTS = ("steps", "spikes", "nonfinite", "skipped", "rollbacks")
-#: Optional ``step_summary`` fields (schema 1.3/1.5), read as numbers, ``NaN`` when unknown.
+#: Optional ``step_summary`` fields (schema 1.3/1.5/1.6), read as numbers, ``NaN`` when unknown.
 SUMMARY_OPTIONAL = ("window_steps", "global_norm_mean", "global_norm_max", "loss_mean", "loss_max",
                     "update_rms_mean", "loss_trend", "clipped", "would_refuse", "refused_max_ratio",
-                    "post_clip_global_norm", "clipped_layers")
+                    "post_clip_global_norm", "clipped_layers", "lr_factor")
 
 _INT_MAX = 2**63
 _BIG = 2**1000  # the careful path reads larger JSON integers as unknown (they do not fit a float)

@@ -66,12 +66,19 @@ def clusters(steps: List[int], gap: int = 5) -> List[List[int]]:
 
 
 def warmup_end(run: RunLog) -> Optional[int]:
-    """Step at which the LR first reaches its maximum, if it rose before (the end of LR warm-up)."""
-    lr = run.steps[["step", "lr"]].dropna()
+    """Step at which the scheduler's LR first reaches its maximum, if it rose before (the end of LR
+    warm-up). The summaries' ``lr`` is the LR the step used: the guard's own factor in it (``lr_factor``,
+    schema 1.6: ``instability_lr`` on its way back to 1 after an instability rises like a warm-up) is
+    divided out."""
+    steps = run.steps
+    lr = steps[["step", "lr"]].copy()
+    if "lr_factor" in steps:
+        lr["lr"] = lr["lr"] / steps["lr_factor"].fillna(1.0)
+    lr = lr.dropna()
     if len(lr) < 2:
         return None
     peak = lr["lr"].max()
-    if not lr["lr"].iloc[0] < peak:
+    if not lr["lr"].iloc[0] < peak * 0.999:  # (lr / lr_factor is the scheduler's LR to a few ulps)
         return None
     return int(lr.loc[lr["lr"] >= peak * 0.999, "step"].iloc[0])
 
