@@ -1,7 +1,8 @@
 """The LR factor of the steps taken during and after a loss instability (``instability_lr``).
 
 Pure Python over one flag per step: :class:`~stabilityguard.policy.GuardPolicy` tells it, once per
-accepted step, whether the loss trend says the run is unstable, and reads the factor back for that
+accepted step, whether the loss trend says the run is unstable (and, at an instability's start, an
+accepted step's own loss shows it: see ``LossTrend.confirms``), and reads the factor back for that
 step; :class:`~stabilityguard.actions.Containment` applies it around the wrapped ``step()`` (the LR the
 scheduler set is restored right after, so schedules are never overwritten).
 

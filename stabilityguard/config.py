@@ -107,8 +107,11 @@ class GuardConfig:
     """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor
     (times the factor still in force when an instability begins during the recovery from an earlier one,
     never below 0.1 or this factor); the LR the scheduler set is restored right after each step, so
-    schedules go on undisturbed (in (0, 1]; ``None``: off). Not in ``monitor`` mode. Needs what the hold
-    needs (``graded_response``, ``instability_clip`` on, a loss). Measured in ``bench/protection.py``
+    schedules go on undisturbed (in (0, 1]; ``None``: off). The LR drops once an accepted step's own loss
+    is ``instability_z`` noise units above where the instability began (the losses of a run of refused
+    bad batches begin one too; the ordinary losses after them leave the LR alone). Not in ``monitor``
+    mode. Needs what the hold needs (``graded_response``, ``instability_clip`` on, a loss). Measured in
+    ``bench/protection.py``
     (README, "Protection")."""
 
     instability_lr_recovery: int = 100

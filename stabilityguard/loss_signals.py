@@ -249,6 +249,13 @@ class LossTrend:
         return (loss is not None and self.count >= self.CALM_AFTER and math.isfinite(loss)
                 and loss - self.fast <= self.enter_z * self._unit())
 
+    def confirms(self, loss: float) -> bool:
+        """Does ``loss``, an accepted step's, show the instability: more than ``enter_z`` noise units above
+        the level it began from (:attr:`ref`)? The losses of refused bad batches can begin an instability
+        on their own; the ordinary losses of the accepted steps after them do not confirm it. ``False``
+        for a NaN loss."""
+        return loss - self.ref > self.enter_z * self._unit()
+
     def tick(self) -> None:
         """A step without a loss: an instability still ends after ``max_steps`` steps."""
         if self.unstable:

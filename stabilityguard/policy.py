@@ -45,6 +45,9 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   The policy also gives the LR factor of each step it accepts (:attr:`GuardPolicy.lr_factor`,
   ``instability_lr`` during an instability, back to 1 over ``instability_lr_recovery`` steps after it:
   :class:`~stabilityguard.backoff.InstabilityBackoff`); the adapter applies it around the wrapped step.
+  The LR drops only once an accepted step's own loss is ``instability_z`` noise units above the level the
+  instability began from: a run of refused bad batches begins an instability with its losses alone, and
+  the ordinary losses after it leave the LR as it is.
 * **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
   steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
@@ -546,8 +549,13 @@ class GuardPolicy:
                 self.trend.add(loss)
             else:
                 self.trend.tick()
-        # the LR factor of the step being taken: the trend as this step's loss left it
-        self.lr_factor = self.backoff.step(self.unstable) if (accepted and self.backoff is not None) else None
+        self.lr_factor = None  # the LR factor of the step being taken: the trend as this step's loss left it
+        if accepted and self.backoff is not None:
+            assert self.trend is not None
+            unstable = self.unstable
+            if unstable and not self.backoff.unstable and loss is not None and not self.trend.confirms(loss):
+                unstable = False  # not yet: no accepted step's loss has shown it (a run of refused bad batches)
+            self.lr_factor = self.backoff.step(unstable)
         return before
 
     def _provisional_levels(self, verdict: Verdict, before: List[float], values: Sequence[float],

@@ -444,6 +444,27 @@ def test_the_lr_factor_follows_the_instability_and_comes_back_over_the_recovery(
     assert v.kind == REFUSE and pol.lr_factor is None
 
 
+def test_a_run_of_refused_bad_batches_begins_an_instability_but_takes_no_lr_factor():
+    """Five bad batches in a row (loss x100..x10000, gradients x300..x5000, a different factor each step:
+    refused) make the trend unstable with their losses alone; the ordinary losses of the accepted steps
+    after them do not confirm it, so those steps keep the LR (a natural rise, whose accepted losses stay
+    high, takes the factor: the test above)."""
+    pol = make(ema_alpha=0.05, instability_lr_recovery=20)
+    rng = random.Random(0)
+    warm(pol, 60, rng=rng)
+    kinds = [feed(pol, [g, g], loss=f).kind for f, g in ((100.0, 300.0), (3e3, 2e3), (1e4, 5e3),
+                                                         (500.0, 800.0), (2e3, 1e3))]
+    assert kinds == [REFUSE] * 5 and pol.unstable
+    t = pol.trend  # the rule: only a loss well above the level the instability began from confirms it
+    assert not t.confirms(t.ref) and t.confirms(t.ref + 4 * t.enter_z * t._unit()) and not t.confirms(float("nan"))
+    factors, unstable = [], []
+    for _ in range(60):
+        feed(pol, [1.0 + 0.05 * rng.random(), 1.0 + 0.05 * rng.random()], loss=1.0 + 0.01 * rng.random())
+        factors.append(pol.lr_factor)
+        unstable.append(pol.unstable)
+    assert unstable[0] and set(factors) == {None}  # the trend still says unstable; the LR is left alone
+
+
 def test_without_a_loss_there_is_no_instability_mode():
     pol = make()
     warm(pol, 60)
