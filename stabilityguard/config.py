@@ -108,10 +108,11 @@ class GuardConfig:
     (times the factor still in force when an instability begins during the recovery from an earlier one,
     never below 0.1 or this factor); the LR the scheduler set is restored right after each step, so
     schedules go on undisturbed (in (0, 1]; ``None``: off). The LR drops once an accepted step's own loss
-    is ``instability_z`` noise units above where the instability began (the losses of a run of refused
-    bad batches begin one too; the ordinary losses after them leave the LR alone). Not in ``monitor``
-    mode. Needs what the hold needs (``graded_response``, ``instability_clip`` on, a loss). Measured in
-    ``bench/protection.py``
+    is ``instability_z`` noise units above where the instability began, or, in the first 20 losses, a
+    rise by ``instability_rise``'s measure (the losses of a run of refused bad batches begin one too;
+    the ordinary losses after them usually leave the LR alone; a step without a loss does not
+    confirm). Not in ``monitor`` mode. Needs what the hold
+    needs (``graded_response``, ``instability_clip`` on, a loss). Measured in ``bench/protection.py``
     (README, "Protection")."""
 
     instability_lr_recovery: int = 100

@@ -46,8 +46,10 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   ``instability_lr`` during an instability, back to 1 over ``instability_lr_recovery`` steps after it:
   :class:`~stabilityguard.backoff.InstabilityBackoff`); the adapter applies it around the wrapped step.
   The LR drops only once an accepted step's own loss is ``instability_z`` noise units above the level the
-  instability began from: a run of refused bad batches begins an instability with its losses alone, and
-  the ordinary losses after it leave the LR as it is.
+  instability began from (or, in the first 20 losses, a rise by the early rule's measure:
+  ``LossTrend.confirms``): a run of refused bad batches begins an instability with its losses alone, and
+  the ordinary losses after it usually leave the LR as it is (one more than ``instability_z`` units up
+  still confirms it; a step without a loss does not).
 * **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
   steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
@@ -553,7 +555,7 @@ class GuardPolicy:
         if accepted and self.backoff is not None:
             assert self.trend is not None
             unstable = self.unstable
-            if unstable and not self.backoff.unstable and loss is not None and not self.trend.confirms(loss):
+            if unstable and not self.backoff.unstable and (loss is None or not self.trend.confirms(loss)):
                 unstable = False  # not yet: no accepted step's loss has shown it (a run of refused bad batches)
             self.lr_factor = self.backoff.step(unstable)
         return before
@@ -648,7 +650,7 @@ class GuardPolicy:
             self.trend.load_state_dict(state.get("trend") or {})
         self.lr_factor = None
         if self.backoff is not None:  # a checkpoint from before it: no factor in force (an instability
-            # under way at the checkpoint drops the LR again at its next step, as it did then)
+            # under way at the checkpoint drops the LR again at the next accepted step whose loss confirms it)
             self.backoff = InstabilityBackoff(self.backoff.factor, recovery_steps=self.backoff.recovery_steps)
             self.backoff.load_state_dict(state.get("backoff") or {})
         self.calm_refused = int(state.get("calm_refused", 0))
