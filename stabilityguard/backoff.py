@@ -34,6 +34,19 @@ import numbers
 from typing import Any, Dict, Optional
 
 
+def linear_recovery(start: float, since: int, steps: int) -> float:
+    """The LR factor ``since`` steps into a linear return from ``start`` to 1 over ``steps`` steps (1 at
+    ``start >= 1`` or ``steps <= 0``); SPAM's LR backoff and :class:`InstabilityBackoff` share it.
+
+    Example:
+        >>> linear_recovery(0.5, 2, 4)
+        0.75
+    """
+    if start >= 1.0 or steps <= 0:
+        return 1.0
+    return start + (1.0 - start) * min(1.0, since / steps)
+
+
 class InstabilityBackoff:
     """LR factor during and after loss instabilities (see the module docstring).
 
@@ -72,13 +85,9 @@ class InstabilityBackoff:
 
     def _now(self) -> float:
         """The factor of the step :meth:`step` last counted."""
-        if self.start >= 1.0:
-            return 1.0
         if self.unstable:
-            return self.start
-        if self.recovery_steps == 0:
-            return 1.0
-        return self.start + (1.0 - self.start) * min(1.0, self.since / self.recovery_steps)
+            return min(self.start, 1.0)
+        return linear_recovery(self.start, self.since, self.recovery_steps)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:

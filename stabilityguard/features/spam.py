@@ -50,6 +50,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
+from ..backoff import linear_recovery
 from ..config import SPAM_SCOPES
 from ..errors import ConfigError
 
@@ -114,10 +115,7 @@ class MomentumReset:
     @property
     def factor(self) -> float:
         """The LR multiplier in force for the next accepted step (every group)."""
-        if self.start >= 1.0:
-            return 1.0
-        t = min(1.0, self.since / self.recovery_steps)
-        return self.start + (1.0 - self.start) * t
+        return linear_recovery(self.start, self.since, self.recovery_steps)
 
     @property
     def warming(self) -> bool:
