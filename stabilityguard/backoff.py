@@ -21,6 +21,10 @@ come back down; restored in one step, the next instability follows (measured in
 ``bench/protection.py``, README "Protection"). A false alarm costs at most ``recovery_steps`` steps at a
 lower LR, and a clean run whose loss never rises is not touched.
 
+When the factor begins is :class:`Confirmation`'s to say: at the first accepted step whose own loss shows
+the instability, or, when refused losses may have begun it, the second in a row or one that shows it by
+:attr:`Confirmation.CLEAR_BAR` times the margin.
+
 Example:
     >>> b = InstabilityBackoff(0.5, recovery_steps=4)
     >>> [b.step(u) for u in (False, True, True, False, False, False, False, False)]
@@ -83,6 +87,11 @@ class InstabilityBackoff:
         f = self._now()
         return f if f < 1.0 else None
 
+    @property
+    def in_force(self) -> float:
+        """The factor the last accepted step took (1: none)."""
+        return self._now()
+
     def _now(self) -> float:
         """The factor of the step :meth:`step` last counted."""
         if self.unstable:
@@ -112,3 +121,84 @@ class InstabilityBackoff:
         self.start, self.since, self.unstable = float(start), int(since), unstable
         if self.start >= 1.0 or (not unstable and self.since >= self.recovery_steps):
             self.start, self.since, self.unstable = 1.0, 0, False
+
+
+class Confirmation:
+    """Has an accepted step's own loss shown the loss instability under way? (The LR factor waits for it.)
+
+    The losses of refused steps enter the loss trend (they describe the model as it is: an LR jump is
+    seen through them), so a run of refused bad batches can begin an instability with its losses alone.
+    An instability that begins while a refused step's loss is among the trend's last
+    :attr:`REFUSED_MEMORY` losses is confirmed by two accepted steps in a row whose losses show it (``LossTrend.confirms``), or by one
+    whose loss shows it by :attr:`CLEAR_BAR` times the margin; one that begins on accepted losses alone,
+    by one loss that shows it. An accepted step whose loss does not show it (or has none) starts the
+    count again. So one ordinary heavy-tailed loss after the bad batches no longer halves the LR, while
+    a natural rise, whose first accepted loss is usually far above the level, takes it at once.
+
+    Each instability is confirmed on its own: one that begins (on a refused step) right after a confirmed
+    one ended waits for its own confirmation; meanwhile the factor goes on recovering.
+
+    Example:
+        >>> c = Confirmation()
+        >>> c.observe(accepted=False, began=True, unstable=True)  # a bad batch's loss began it
+        >>> [c.confirmed(shows) for shows in (True, False, True, True)]
+        [False, False, False, True]
+    """
+
+    #: An instability that begins while a refused step's loss is among the trend's last this many losses
+    #: (this one included) may be of that loss: the fast EMA (factor 0.2) keeps 0.8**k of a loss k losses
+    #: on, and a refused loss enters at most 6 noise units up (1.2 units in the EMA): 10 losses on, under
+    #: 0.13 of the 3 units a rise needs. Steps without a loss do not count (they leave the EMA as it is).
+    REFUSED_MEMORY = 10
+    #: A loss this many times as far above the instability's reference as ``LossTrend.confirms`` asks
+    #: confirms one begun near refused steps on its own (a natural rise: the loss of the first accepted
+    #: step after an LR jump is often 10x the level; measured: waiting for a second loss after it let
+    #: the run diverge, e.g. MLP with a too-high LR, bench/protection.py).
+    CLEAR_BAR = 2.0
+
+    def __init__(self) -> None:
+        self.need = 0  # confirming losses still needed (0: confirmed, or no instability)
+        self.doubt = False  # the instability began within REFUSED_MEMORY steps of a refused one
+        self.refused_ago = self.REFUSED_MEMORY  # steps since the last refused one (capped there)
+
+    def observe(self, *, accepted: bool, began: bool, unstable: bool, added: bool = True) -> None:
+        """Once per step the loss trend took (accepted or refused), after it did: ``began``, an instability
+        began at this step; ``unstable``, the trend's flag after it; ``added``, the step's loss entered the
+        trend (a step without one leaves its EMAs, so it counts neither way)."""
+        if added:
+            self.refused_ago = min(self.refused_ago + 1, self.REFUSED_MEMORY) if accepted else 0
+        if began:
+            self.doubt = self.refused_ago < self.REFUSED_MEMORY
+            self.need = 2 if self.doubt else 1
+        elif not unstable:
+            self.need, self.doubt = 0, False
+
+    def confirmed(self, shows: bool, clearly: bool = False) -> bool:
+        """An accepted step during an instability: is the instability confirmed with it (the step takes
+        the factor)? ``shows``: its loss shows the instability (``False`` without a loss); ``clearly``: by
+        :attr:`CLEAR_BAR` times the margin, which confirms on its own."""
+        if self.need:
+            self.need = 0 if (shows and clearly) else self.need - 1 if shows else (2 if self.doubt else 1)
+        return self.need == 0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        return {"need": self.need, "doubt": self.doubt, "refused_ago": self.refused_ago}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
+        if not isinstance(state, dict):
+            raise ValueError(f"confirmation state must be a dict; got {type(state).__name__}")
+        need, doubt = state.get("need", 0), state.get("doubt", False)
+        ago = state.get("refused_ago", self.REFUSED_MEMORY)
+        if isinstance(need, bool) or not isinstance(need, numbers.Integral) or not 0 <= need <= 2:
+            raise ValueError(f"confirmation need must be 0, 1 or 2; got {need!r}")
+        if isinstance(doubt, numbers.Number) and not isinstance(doubt, bool) or doubt not in (True, False):
+            raise ValueError(f"confirmation doubt must be True or False; got {doubt!r}")  # (numpy's bool too)
+        doubt = bool(doubt)
+        if need == 2 and not doubt:
+            raise ValueError("confirmation need must be 0 or 1 without doubt (two losses are asked for only "
+                             f"after refused steps); got need=2, doubt=False")
+        if isinstance(ago, bool) or not isinstance(ago, numbers.Integral) or ago < 0:
+            raise ValueError(f"confirmation refused_ago must be an integer >= 0; got {ago!r}")
+        self.need, self.doubt, self.refused_ago = int(need), doubt, min(int(ago), self.REFUSED_MEMORY)

@@ -249,17 +249,19 @@ class LossTrend:
         return (loss is not None and self.count >= self.CALM_AFTER and math.isfinite(loss)
                 and loss - self.fast <= self.enter_z * self._unit())
 
-    def confirms(self, loss: float) -> bool:
+    def confirms(self, loss: float, bar: float = 1.0) -> bool:
         """Does ``loss``, an accepted step's, show the instability: more than ``enter_z`` noise units above
         the level it began from (:attr:`ref`), or, in the first ``min_count`` losses (whose noise is still
         learnt through the rise, so its unit is inflated), above it as the early rule measures a rise
-        (``early_rise`` over it and ``EARLY_GATE`` of the noise before the rise)? The losses of refused bad
-        batches can begin an instability on their own; the ordinary losses of the accepted steps after
-        them seldom confirm it (each is tested on its own: a heavy tail can). ``False`` for a NaN loss."""
-        if loss - self.ref > self.enter_z * self._unit():
+        (``early_rise`` over it and ``EARLY_GATE`` of the noise before the rise)? ``bar`` multiplies
+        each of those margins (2: twice as far up). The losses of refused bad batches can begin an
+        instability on their own; the ordinary losses of the accepted steps after them seldom confirm it
+        (see :class:`~stabilityguard.backoff.Confirmation`). ``False`` for a NaN loss."""
+        if loss - self.ref > bar * self.enter_z * self._unit():
             return True
         return (self.early_rise is not None and self.count <= self.min_count and self.ref > 0
-                and loss > (1 + self.early_rise) * self.ref and loss - self.ref > self.EARLY_GATE * self.calm_noise)
+                and loss > (1 + bar * self.early_rise) * self.ref
+                and loss - self.ref > bar * self.EARLY_GATE * self.calm_noise)
 
     def tick(self) -> None:
         """A step without a loss: an instability still ends after ``max_steps`` steps."""

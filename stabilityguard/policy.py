@@ -48,12 +48,19 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   The LR drops only once an accepted step's own loss is ``instability_z`` noise units above the level the
   instability began from (or, in the first 20 losses, a rise by the early rule's measure:
   ``LossTrend.confirms``): a run of refused bad batches begins an instability with its losses alone, and
-  the ordinary losses after it usually leave the LR as it is (one more than ``instability_z`` units up
-  still confirms it; a step without a loss does not).
+  the ordinary losses after it leave the LR as it is. An instability that begins while a refused
+  step's loss is among the trend's last 10 needs two such accepted losses in a row, or one twice as far
+  up (one ordinary heavy-tailed loss is then not enough); a step without a loss does not confirm
+  (:class:`~stabilityguard.backoff.Confirmation`).
 * **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
   steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
-  like a consistent run of spikes.
+  like a consistent run of spikes; so do such steps whose ratios *over the median ratio of the other
+  layers* (:func:`relative_ratios`) are over ``outlier_ratio`` and within ``level_shift_spread`` of each
+  other: a layer whose scale changed stands out from the network by a steady factor while the batch
+  moves every layer's norm together (measured: an MLP's shifted layer, its norm varying 7x with the
+  batch, scaled back for 96 steps with the raw ratios alone, 5 with these); the whole network rising
+  together does not stand out.
 
 What enters the baselines: every accepted step, clipped or not, feeds its measured (pre-clip) norms
 into the EMAs; refused steps feed nothing, so a critical spike never enters its own baseline. This was
@@ -91,11 +98,12 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .backoff import InstabilityBackoff
+from .backoff import Confirmation, InstabilityBackoff
 from .detector import Decision, SpikeDetector
 from .loss_signals import LossMonitor, LossTrend
 
@@ -211,8 +219,11 @@ class GuardPolicy:
         self.calm_shift_steps = int(calm_shift_steps) if (self.trend is not None and calm_shift_steps) else None
         #: ``instability_lr``'s factor, during and after loss instabilities (``None``: no trend or no factor).
         self.backoff: Optional[InstabilityBackoff] = None
+        #: When an instability's factor begins (``None`` without a factor).
+        self.confirm: Optional[Confirmation] = None
         if self.trend is not None and instability_lr is not None:
             self.backoff = InstabilityBackoff(instability_lr, recovery_steps=instability_lr_recovery)
+            self.confirm = Confirmation()
         #: The LR factor of the step the last commit accepted (``None``: 1, or a refused step).
         self.lr_factor: Optional[float] = None
         #: Consecutive refused steps, up to the last one, whose loss was calm (see ``calm_shift_steps``).
@@ -247,6 +258,8 @@ class GuardPolicy:
         self._open_runs = False
         #: Per layer, the ratios of its current run of consecutive scaled-back (outlier) steps.
         self.outlier_runs: List[List[float]] = [[] for _ in range(self.n_layers)]
+        #: The same run's ratios over the median ratio of the other layers at each step (NaN: no other).
+        self.outlier_rel: List[List[float]] = [[] for _ in range(self.n_layers)]
         self._open_outlier_runs = False
 
     @classmethod
@@ -266,6 +279,12 @@ class GuardPolicy:
                    instability_lr_recovery=cfg.instability_lr_recovery,
                    spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip,
                    coherent_share=cfg.coherent_share)
+
+    @property
+    def taken_lr_factor(self) -> float:
+        """``instability_lr``'s factor on the last accepted step (1: none), what a refused step's SPAM reset
+        rebuilds that step's update with."""
+        return self.backoff.in_force if self.backoff is not None else 1.0
 
     @property
     def unstable(self) -> bool:
@@ -466,14 +485,22 @@ class GuardPolicy:
         if not self._open_outlier_runs or self.unstable or self.level_shift_steps >= self.detector.patience:
             return []  # while the loss is unstable, a run of outliers is the instability, not a new level
         lim, need, mask, det = self.outlier_ratio, self.level_shift_steps, decision.spike_mask, self.detector
+        spread = self.level_shift_spread
         out = []
+        rel: Optional[List[float]] = None
         for i, r in enumerate(decision.ratios):
             # only outliers proper (under the layer's spike threshold): a rise past it that spike_jump let
             # through as gradual is scaled back, never settled
             if lim < r <= det.limit(i) and not (mask is not None and mask[i]) \
                     and len(self.outlier_runs[i]) + 1 >= need:
                 run = self.outlier_runs[i][-(need - 1):] + [r]
-                if max(run) <= self.level_shift_spread * min(run):
+                if max(run) <= spread * min(run):
+                    out.append(i)
+                    continue
+                if rel is None:  # the run measured against the rest of the network (see outlier_rel)
+                    rel = relative_ratios(decision.ratios[: self.n_layers])
+                runr = self.outlier_rel[i][-(need - 1):] + [rel[i]]
+                if len(runr) >= need and min(runr) > lim and max(runr) <= spread * min(runr):  # False for NaN
                     out.append(i)
         return out
 
@@ -499,22 +526,24 @@ class GuardPolicy:
             self._open_runs = any(self.runs)
         if verdict.kind == CLIP and "layer" in verdict.reasons:
             lim = self.outlier_ratio
+            rel = relative_ratios(decision.ratios[: self.n_layers])
             for i, r in enumerate(decision.ratios[: self.n_layers]):
                 if r > lim and not (shifts is not None and shifts[i]):
                     self.outlier_runs[i].append(r)
+                    self.outlier_rel[i].append(rel[i])
                 elif self.outlier_runs[i] and (present is None or present[i]):
-                    self.outlier_runs[i] = []
+                    self.outlier_runs[i], self.outlier_rel[i] = [], []
             self._open_outlier_runs = any(self.outlier_runs)
         elif self._open_outlier_runs and accepted:
             for i in range(self.n_layers):
                 if self.outlier_runs[i] and (present is None or present[i]):
-                    self.outlier_runs[i] = []
+                    self.outlier_runs[i], self.outlier_rel[i] = [], []
             self._open_outlier_runs = any(self.outlier_runs)
         if shifts is not None:
             for i, s in enumerate(shifts):
                 if s:
                     self.runs[i] = []
-                    self.outlier_runs[i] = []
+                    self.outlier_runs[i], self.outlier_rel[i] = [], []
             self._open_runs = any(self.runs)
             self._open_outlier_runs = any(self.outlier_runs)
         det.commit(decision, values, present)
@@ -547,16 +576,24 @@ class GuardPolicy:
             if self.loss is not None:
                 self.loss.add(loss, outlier=verdict.loss_z is not None and verdict.loss_z > self.loss.z_threshold)
         if self.trend is not None:
-            if loss is not None and math.isfinite(loss):
+            was = self.trend.unstable
+            added = loss is not None and math.isfinite(loss)
+            if added:
                 self.trend.add(loss)
             else:
                 self.trend.tick()
+            if self.confirm is not None:
+                self.confirm.observe(accepted=accepted, began=self.trend.unstable and not was,
+                                     unstable=self.trend.unstable, added=added)
         self.lr_factor = None  # the LR factor of the step being taken: the trend as this step's loss left it
         if accepted and self.backoff is not None:
-            assert self.trend is not None
+            assert self.trend is not None and self.confirm is not None
             unstable = self.unstable
-            if unstable and not self.backoff.unstable and (loss is None or not self.trend.confirms(loss)):
-                unstable = False  # not yet: no accepted step's loss has shown it (a run of refused bad batches)
+            if unstable and self.confirm.need:  # not yet, unless this step's loss shows it (after bad batches,
+                # the second in a row that does, or one that shows it clearly)
+                shows = loss is not None and self.trend.confirms(loss)
+                unstable = self.confirm.confirmed(
+                    shows, shows and self.confirm.doubt and self.trend.confirms(loss, self.confirm.CLEAR_BAR))
             self.lr_factor = self.backoff.step(unstable)
         return before
 
@@ -615,8 +652,11 @@ class GuardPolicy:
             "loss": self.loss.state_dict() if self.loss is not None else None,
             "runs": {names[i]: list(r) for i, r in enumerate(self.runs) if r},
             "outlier_runs": {names[i]: list(r) for i, r in enumerate(self.outlier_runs) if r},
+            "outlier_rel": {names[i]: [v if math.isfinite(v) else None for v in r]
+                            for i, r in enumerate(self.outlier_rel) if r},
             "trend": self.trend.state_dict() if self.trend is not None else None,
             "backoff": self.backoff.state_dict() if self.backoff is not None else None,
+            "confirm": self.confirm.state_dict() if self.confirm is not None else None,
             "last": None if self.last is None else {names[i]: v for i, v in enumerate(self.last)},
             "calm_refused": self.calm_refused,
             "provisional": {names[i]: {"old": {names[j]: v for j, v in old.items()}, "left": left}
@@ -642,6 +682,9 @@ class GuardPolicy:
         self._open_runs = any(self.runs)
         oruns = state.get("outlier_runs") or {}
         self.outlier_runs = [list(map(float, oruns.get(names[i], []))) for i in range(self.n_layers)]
+        orel = state.get("outlier_rel") or {}  # a checkpoint from before it: unknown (NaN), the raw rule alone
+        self.outlier_rel = [[math.nan if v is None else float(v) for v in orel.get(names[i], [None] * len(run))]
+                            for i, run in enumerate(self.outlier_runs)]
         self._open_outlier_runs = any(self.outlier_runs)
         if self.trend is not None:
             if not state.get("trend"):
@@ -653,6 +696,13 @@ class GuardPolicy:
             # under way at the checkpoint drops the LR again at the next accepted step whose loss confirms it)
             self.backoff = InstabilityBackoff(self.backoff.factor, recovery_steps=self.backoff.recovery_steps)
             self.backoff.load_state_dict(state.get("backoff") or {})
+            assert self.trend is not None
+            self.confirm = Confirmation()
+            if state.get("confirm") is not None:
+                self.confirm.load_state_dict(state["confirm"])
+            else:  # a checkpoint from before it (schema 1.6): an instability the backoff has not taken waits
+                # for one confirming loss, as it did then
+                self.confirm.need = int(self.trend.unstable and not self.backoff.unstable)
         self.calm_refused = int(state.get("calm_refused", 0))
         pos = {n: i for i, n in enumerate(names)}
         self.provisional = {}
@@ -690,3 +740,29 @@ def _mark_shifts(decision: Decision, layers: List[int]) -> Decision:
         shift[i] = True
     return Decision(decision.ratios, decision.spike_mask, shift, decision.trigger, decision.max_index,
                     decision.max_ratio)
+
+
+def relative_ratios(ratios: Sequence[float]) -> List[float]:
+    """Each ratio over the median of the others (NaN entries, layers not covered or absent, are left out
+    of the medians and stay NaN; NaN too without another ratio or with a median of 0). A layer whose
+    gradient scale changed stands out from the rest of the network by a steady factor even when the
+    batch moves every layer's norm together.
+
+    Example:
+        >>> relative_ratios([8.0, 0.2, 0.2, 0.2, float("nan")])
+        [40.0, 1.0, 1.0, 1.0, nan]
+    """
+    live = sorted(r for r in ratios if r == r)
+    k = len(live) - 1  # how many others each live ratio has
+    out: List[float] = []
+    for r in ratios:
+        if r != r or k < 1:
+            out.append(math.nan)
+            continue
+        j = bisect.bisect_left(live, r)  # r's place; the others are live without it
+
+        def other(pos: int) -> float:
+            return live[pos] if pos < j else live[pos + 1]
+        m = other(k // 2) if k % 2 else 0.5 * (other(k // 2 - 1) + other(k // 2))
+        out.append(r / m if m > 0 else math.nan)
+    return out

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from stabilityguard.backoff import InstabilityBackoff
+from stabilityguard.backoff import Confirmation, InstabilityBackoff
 
 
 def _run(b, flags):
@@ -110,3 +110,118 @@ def test_the_factor_never_exceeds_one_between_the_steps():
 def test_a_state_that_is_not_a_dict_is_refused_naming_the_backoff(state):
     with pytest.raises(ValueError, match="backoff state must be a dict; got"):
         InstabilityBackoff(0.5, recovery_steps=10).load_state_dict(state)
+
+
+# ---------------------------------------------------------------- Confirmation: when the factor begins
+def _confirm(events):
+    """Feed (accepted, began, unstable, shows) per step; the verdict of each accepted unstable step."""
+    c, out = Confirmation(), []
+    for accepted, began, unstable, shows in events:
+        c.observe(accepted=accepted, began=began, unstable=unstable)
+        if accepted and unstable:
+            out.append(c.confirmed(shows))
+    return c, out
+
+
+def test_an_instability_of_accepted_losses_is_confirmed_by_one_loss():
+    calm = [(True, False, False, False)] * 12
+    _, got = _confirm(calm + [(True, True, True, False), (True, False, True, True), (True, False, True, False)])
+    assert got == [False, True, True]  # confirmed once, it stays so while it lasts
+
+
+def test_an_instability_begun_on_or_just_after_a_refused_step_needs_two_losses_in_a_row():
+    calm = [(True, False, False, False)] * 12
+    on = calm + [(False, True, True, False)]  # begun by a refused step's loss
+    assert _confirm(on + [(True, False, True, s) for s in (True, False, True, True, True)])[1] == \
+        [False, False, False, True, True]
+    for ago in range(1, Confirmation.REFUSED_MEMORY + 2):  # begun on an accepted step, ago steps after one
+        events = calm + [(False, False, False, False)] + [(True, False, False, False)] * (ago - 1) \
+            + [(True, True, True, True), (True, False, True, True)]
+        assert _confirm(events)[1] == ([False, True] if ago < Confirmation.REFUSED_MEMORY else [True, True]), ago
+
+
+def test_each_instability_is_confirmed_on_its_own():
+    """One that begins (on a refused step) right after a confirmed one ended waits for its own losses."""
+    events = [(True, False, False, False)] * 12 + [(True, True, True, True), (True, False, True, False),
+                                                   (False, False, False, False), (False, True, True, False)]
+    c, got = _confirm(events + [(True, False, True, False), (True, False, True, True), (True, False, True, True)])
+    assert got == [True, True, False, False, True] and c.need == 0
+
+
+def test_the_count_ends_with_the_instability():
+    c, _ = _confirm([(False, True, True, False), (True, False, True, True)])
+    assert c.need == 1
+    c.observe(accepted=True, began=False, unstable=False)
+    assert (c.need, c.doubt) == (0, False)
+
+
+@pytest.mark.parametrize("cut", range(1, 9))
+def test_the_confirmation_state_round_trip_resumes_bit_for_bit(cut):
+    events = [(True, False, False, False)] * 3 + [(False, True, True, False), (True, False, True, True),
+                                                  (True, False, True, False), (True, False, True, True),
+                                                  (True, False, True, True), (True, False, False, False)]
+    whole, got = _confirm(events)
+    a, resumed = _confirm(events[:cut])
+    b = Confirmation()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for accepted, began, unstable, shows in events[cut:]:
+        b.observe(accepted=accepted, began=began, unstable=unstable)
+        if accepted and unstable:
+            resumed.append(b.confirmed(shows))
+    assert resumed == got and b.state_dict() == whole.state_dict()
+
+
+def test_numpy_numbers_in_a_confirmation_state_load_as_python_numbers():
+    c = Confirmation()
+    c.load_state_dict({"need": np.int64(2), "doubt": True, "refused_ago": np.int32(3)})
+    assert c.state_dict() == {"need": 2, "doubt": True, "refused_ago": 3}
+    assert type(c.need) is int and type(c.refused_ago) is int
+    c.load_state_dict({"refused_ago": 10**9})  # a longer memory than this one's: capped
+    assert c.refused_ago == Confirmation.REFUSED_MEMORY and c.need == 0
+
+
+def test_steps_without_a_loss_count_neither_way():
+    """The memory counts the trend's losses: accepted steps without one do not age a refused loss, and a
+    refused step without one (its loss never entered the trend) does not renew it."""
+    c = Confirmation()
+    c.observe(accepted=False, began=False, unstable=False)
+    for _ in range(Confirmation.REFUSED_MEMORY + 5):
+        c.observe(accepted=True, began=False, unstable=False, added=False)
+    c.observe(accepted=True, began=True, unstable=True)
+    assert c.doubt and c.need == 2
+    c = Confirmation()
+    c.observe(accepted=False, began=False, unstable=False, added=False)
+    c.observe(accepted=True, began=True, unstable=True)
+    assert not c.doubt and c.need == 1
+
+
+def test_a_numpy_bool_loads_and_an_impossible_state_is_refused():
+    c = Confirmation()
+    c.load_state_dict({"need": 1, "doubt": np.True_, "refused_ago": 2})
+    assert c.doubt is True
+    with pytest.raises(ValueError, match="without doubt"):
+        c.load_state_dict({"need": 2, "doubt": False})
+
+
+@pytest.mark.parametrize("state, field", [
+    ({"need": 3}, "need"), ({"need": -1}, "need"), ({"need": 1.0}, "need"), ({"need": True}, "need"),
+    ({"doubt": 1}, "doubt"), ({"doubt": None}, "doubt"),
+    ({"refused_ago": -1}, "refused_ago"), ({"refused_ago": "3"}, "refused_ago"), ({"refused_ago": False}, "refused_ago"),
+])
+def test_a_bad_confirmation_state_is_refused_naming_the_field(state, field):
+    with pytest.raises(ValueError, match=f"confirmation {field}"):
+        Confirmation().load_state_dict(state)
+    with pytest.raises(ValueError, match="confirmation state must be a dict"):
+        Confirmation().load_state_dict([1, 2])
+
+
+def test_a_loss_that_clearly_shows_it_confirms_on_its_own():
+    """Near refused steps one loss CLEAR_BAR times as far up is enough; without the doubt one loss is
+    always enough, clear or not."""
+    c = Confirmation()
+    c.observe(accepted=False, began=True, unstable=True)
+    assert c.confirmed(True, clearly=True) and c.need == 0
+    c = Confirmation()
+    c.observe(accepted=False, began=True, unstable=True)
+    assert not c.confirmed(False, clearly=True)  # "clearly" without "shows" (never passed so) counts nothing
+    assert c.need == 2

@@ -52,8 +52,9 @@ EARLY = range(4, CUT + 4)
 #: checkpoint, accepted as a new level at the first one after it (calm_shift_steps=2; config "calm_shift").
 SHIFT = range(CUT - 1, CUT + 4)
 #: Steps whose loss is x3 (config "recovery"): an instability that ends before the checkpoint, so instability_lr's
-#: factor is on its way back to 1 there, and a second one after it, which compounds the factor still in force.
-RECOVER = [*range(14, 24), *range(42, 56)]
+#: factor is on its way back to 1 there, and a second one after it (x4: the first left a wide noise unit, and a
+#: refused step just before it asks for two confirming losses in a row), which compounds the factor in force.
+RECOVER = {**{s: 3.0 for s in range(14, 24)}, **{s: 4.0 for s in range(42, 56)}}
 #: Steps where one layer has no gradient (config "layer_set"): the global baseline describes the other
 #: layers at the checkpoint (``GuardPolicy.global_layers``) and all of them again after it.
 ABSENT = range(CUT - 4, CUT + 3)
@@ -75,8 +76,10 @@ def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=Fal
     for step in range(start, stop):
         x, y = batches[step]
         loss = model.loss(x, y)
-        if (rise and step in RISE) or (recover and step in RECOVER):
+        if rise and step in RISE:
             loss = loss * 3.0
+        if recover and step in RECOVER:
+            loss = loss * RECOVER[step]
         if early and step in EARLY:
             loss = loss * 4.0
         if step == 50:
