@@ -27,36 +27,14 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .lr_scaling import with_lr_factor
+
 logger = logging.getLogger(__name__)
 
 
 def skip_step(optimizer: torch.optim.Optimizer) -> None:
     """Discard this step's gradients without touching weights or optimizer state."""
     optimizer.zero_grad(set_to_none=True)
-
-
-def with_lr_factor(optimizer: torch.optim.Optimizer, factor: float, step: Any) -> Any:
-    """``step`` run with every parameter group's LR times ``factor``, the LRs restored after it (also when
-    it raises), so an LR scheduler never sees the change.
-
-    Example:
-        >>> m = torch.nn.Linear(2, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        >>> with_lr_factor(opt, 0.5, lambda: opt.param_groups[0]["lr"])(), opt.param_groups[0]["lr"]
-        (0.05, 0.1)
-    """
-    def scaled() -> Any:
-        groups = optimizer.param_groups
-        saved = [g.get("lr") for g in groups]
-        try:
-            for g, lr in zip(groups, saved):
-                if isinstance(lr, (int, float, torch.Tensor)) and not isinstance(lr, bool):
-                    g["lr"] = lr * factor  # (an optimizer without an LR of its own, Adafactor's None: as is)
-            return step()
-        finally:
-            for g, lr in zip(groups, saved):
-                g["lr"] = lr
-
-    return scaled
 
 
 def owned_buffers(model: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
@@ -444,9 +422,11 @@ class Containment:
             self.rollback.snapshot(step)
         self.buffers.mark()
 
-    def refuse(self, counters: Any, index: Any, layers: Set[str]) -> Dict[str, Any]:
+    def refuse(self, counters: Any, index: Any, layers: Set[str], lr_scale: float = 1.0) -> Dict[str, Any]:
         """Apply ``nan_action`` to an unsafe step and count it in ``counters``; with SPAM (not for ``raise``
-        or ``monitor``), reset the state of ``layers``' parameters. Returns the ``action`` record's fields."""
+        or ``monitor``), reset the state of ``layers``' parameters (``lr_scale``: ``instability_lr``'s factor
+        the last accepted step took, for SPAM's record of its update size). Returns the ``action``
+        record's fields."""
         action, to = self.config.nan_action, None
         if action == "skip":
             self.skip(counters)
@@ -460,7 +440,7 @@ class Containment:
             self.buffers.restore()  # raise: weights, state and buffers untouched, grads left for inspection
         reset, lr_factor, spam = None, None, self.features.spam
         if spam is not None and action not in ("raise", "monitor"):
-            reset = spam.on_refused([p for l in layers for p in index.layer_params.get(l, ())])
+            reset = spam.on_refused([p for l in layers for p in index.layer_params.get(l, ())], lr_scale)
             lr_factor = spam.factor
         return {"action": action, "rollback_to_step": to, "momentum_reset": reset, "lr_factor": lr_factor}
 

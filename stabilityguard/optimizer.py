@@ -366,7 +366,7 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:
         """Act on an unsafe step, emit its record and the action record; the error to raise, if any."""
         layers = set(fields.get("spike_layers") or ()) | set(fields.get("nan_layers") or ())
-        taken = self._containment.refuse(self.counters, self._index, layers)
+        taken = self._containment.refuse(self.counters, self._index, layers, self._policy.taken_lr_factor)
         event = self._log.incident(nonfinite, step, stats, verdict, before, self._lr(), taken,
                                    origin_ranks=origin_ranks(stats.rank_sq_norms, nonfinite), **fields)
         if taken["action"] == "monitor":

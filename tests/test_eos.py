@@ -425,3 +425,105 @@ def test_eos_method_values_are_validated_with_the_allowed_list():
     with pytest.raises(ConfigError, match="eos_method must be one of 'auto', 'power', 'secant', 'both'; got 3"):
         EdgeOfStabilityMonitor(torch.optim.SGD([p], lr=0.1), [p], method=3)
     assert GuardConfig().eos_method == "auto"
+
+
+def test_the_threshold_takes_in_the_guards_lr_factor_on_the_step():
+    """A step taken at half the LR (instability_lr's factor) is stable up to twice the sharpness: the
+    threshold is c / (lr * factor), and the estimate's lr is the LR the step took; the sharpness along the
+    update does not depend on it."""
+    def secant(scale):
+        theta = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+        h = torch.tensor([4.0, 1.0, 0.25])
+        opt = torch.optim.SGD([theta], lr=0.1)
+        mon = EdgeOfStabilityMonitor(opt, [theta], None, method="secant")
+        (0.5 * (h * theta * theta).sum()).backward()
+        mon.before_update(0, scale)
+        opt.step()
+        opt.zero_grad()
+        (0.5 * (h * theta * theta).sum()).backward()
+        return mon, mon.secant_check(1)
+    _, full = secant(1.0)
+    mon, half = secant(0.5)
+    assert half.threshold == pytest.approx(2 * full.threshold) and half.lr == pytest.approx(0.05)
+    assert half.sharpness == pytest.approx(full.sharpness) and half.ratio == pytest.approx(full.ratio / 2)
+    state = json.loads(json.dumps(mon.state_dict()))
+    assert state["lr_scale"] == 0.5
+    fresh, _ = secant(1.0)
+    fresh.load_state_dict(state)
+    assert fresh.lr_scale == 0.5
+    del state["lr_scale"]  # a checkpoint from before it
+    fresh.load_state_dict(state)
+    assert fresh.lr_scale == 1.0
+    for bad in (0.0, 1.5, "0.5", True, None):
+        with pytest.raises(ValueError, match="edge_of_stability lr_scale"):
+            fresh.load_state_dict(state | {"lr_scale": bad})
+
+
+def _secant_run(tmp_path, before_step=None, after_step=None, schedule=None, **guard):
+    """12 steps of a small MLP under the guard with the secant every step; ``before_step(step, opt)`` runs
+    before each ``step()``, ``after_step(step, opt)`` after it, and ``schedule(base)``'s scheduler is
+    stepped after it. Returns (base optimizer, sharpness records by step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(1)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = GuardedOptimizer(base, model, log_dir=tmp_path, verbose=False, enable_edge_of_stability=True,
+                           eos_method="secant", eos_check_interval=1, **guard)
+    sched = schedule(base) if schedule is not None else None
+    for step in range(12):
+        x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        if before_step is not None:
+            before_step(step, opt)
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(step, opt)
+        if sched is not None:
+            sched.step()
+    opt.close()
+    return base, {e["step"]: e for e in _events(tmp_path, "sharpness")}
+
+
+def _recovering_from_step_8(step, opt):
+    if step == 8:  # a recovery under way: 0.5, one step back towards 1 per step
+        opt._policy.backoff.load_state_dict({"start": 0.5, "since": 0, "unstable": False})
+
+
+def test_the_guard_hands_the_step_factor_to_the_threshold(tmp_path):
+    """Through the guard: with instability_lr's factor in force (a recovery under way), the sharpness
+    records show the LR the step took and the threshold for it."""
+    base, by_step = _secant_run(tmp_path, _recovering_from_step_8)  # records from step 10 (Adam's warm-up)
+    c = stability_constant(base)[1]  # 38 for AdamW's beta1 0.9
+    for step, factor in ((10, 0.51), (11, 0.515)):  # the updates of steps 9 and 10, on the way back to 1
+        assert by_step[step]["lr"] == pytest.approx(1e-2 * factor)
+        assert by_step[step]["threshold"] == pytest.approx(c / (1e-2 * factor))
+
+
+def test_the_secant_takes_the_lr_of_the_update_it_measured_with_a_per_step_scheduler(tmp_path):
+    """A scheduler stepped after every optimizer.step() moves the LR between the update and the secant's
+    check: the record keeps the LR that update took (and its threshold); SPAM's factor is in it too."""
+    took = {}
+
+    def before(step, opt):
+        if step == 9:  # SPAM's backoff at 0.5 for this step
+            opt._features.spam.start, opt._features.spam.since = 0.5, 0
+        took[step] = opt.param_groups[0]["lr"] * (opt._features.spam.factor if step >= 9 else 1.0)
+
+    warm_up = lambda base: torch.optim.lr_scheduler.LambdaLR(base, lambda k: (k + 1) / 20)  # noqa: E731 (+5%/step)
+    base, by_step = _secant_run(tmp_path, before, schedule=warm_up, enable_spam=True)
+    c = stability_constant(base)[1]
+    for step in (10, 11):  # the updates of steps 9 and 10
+        assert by_step[step]["lr"] == pytest.approx(took[step - 1])
+        assert by_step[step]["threshold"] == pytest.approx(c / took[step - 1])
+    assert took[9] == pytest.approx(0.5 * 1e-2 * 10 / 20)
+
+
+def test_monitor_mode_hands_no_factor_to_the_threshold(tmp_path):
+    def after(step, opt):
+        assert opt._containment.lr_factor is None  # monitor mode trains as the plain optimizer would
+
+    _, by_step = _secant_run(tmp_path, _recovering_from_step_8, after, nan_action="monitor")
+    lrs = [e["lr"] for e in by_step.values()]
+    assert lrs and lrs == pytest.approx([1e-2] * len(lrs))

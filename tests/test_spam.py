@@ -346,3 +346,69 @@ def test_every_supported_optimizer_resets_and_warms_up(make):
     assert opt.counters.skipped == 1 and all(bool(torch.isfinite(p).all()) for p in model.parameters())
     assert not opt._features.spam.warming  # 5 warm-up steps are over
     json.dumps(opt.guard_state_dict()["spam"])
+
+
+def test_the_reset_records_the_update_the_last_step_made_under_instability_lr():
+    """The reference of SPAM's warm-up is the size of the last update before the spike, rebuilt from the
+    optimizer state at the LR in force: with instability_lr's factor on that step (on its way back after a
+    loss instability), the update it made, not the one the scheduler's LR would have made."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
+    data = MarkovData(vocab_size=32, seed=0)
+    base = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_spam=True, spam_lr_reduction=1.0)
+    layer = list(model.blocks[1].mlp.proj.parameters())
+    for step in range(41):
+        loss = model.loss(*data.batch(8, 16))
+        loss.backward()
+        if step == 39:  # the factor of a recovery under way: 0.5, one step back towards 1
+            opt._policy.backoff.load_state_dict({"start": 0.5, "since": 0, "unstable": False})
+            before = [p.detach().clone() for p in layer]
+        if step == 40:
+            scale_grad(model.blocks[1].mlp.proj, 1000.0)
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if step == 39:
+            assert opt._containment.lr_factor == pytest.approx(0.505)
+            made = [float((p.detach() - b).pow(2).mean().sqrt()) for p, b in zip(layer, before)]
+    assert opt.counters.skipped == 1 and opt._policy.taken_lr_factor == pytest.approx(0.505)
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    refs = [opt._features.spam.warm[index[id(p)]][0] for p in layer]
+    assert refs == pytest.approx(made, rel=0.02)  # without the factor: 1 / 0.505 = 1.98x too large
+
+
+def test_two_refused_steps_in_a_row_record_the_update_the_last_accepted_step_made():
+    """The second of two refused steps in a row (another layer spiking) rebuilds that layer's last update
+    with the factor the last accepted step took, not the one the first refusal already dropped for the
+    next step (0.5x too small before); the factor taken is in the state and a bad one is refused."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
+    data = MarkovData(vocab_size=32, seed=0)
+    base = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_spam=True, spam_lr_reduction=0.5)
+    first, second = model.blocks[1].mlp.proj, model.blocks[0].mlp.fc
+    for step in range(42):
+        loss = model.loss(*data.batch(8, 16))
+        loss.backward()
+        if step == 39:
+            before = [p.detach().clone() for p in second.parameters()]
+        if step == 40:
+            scale_grad(first, 1000.0)
+        if step == 41:
+            scale_grad(second, 1000.0)
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if step == 39:
+            made = [float((p.detach() - b).pow(2).mean().sqrt()) for p, b in zip(second.parameters(), before)]
+    spam = opt._features.spam
+    assert opt.counters.skipped == 2 and spam.factor == pytest.approx(0.25) and spam.taken == 1.0
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    assert [spam.warm[index[id(p)]][0] for p in second.parameters()] == pytest.approx(made, rel=0.02)
+    state = json.loads(json.dumps(spam.state_dict()))
+    assert state["taken"] == 1.0
+    fresh = MomentumReset(base, lr_reduction=0.5, recovery_steps=10, warmup_steps=20)
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "taken"})  # from before it: the factor in force
+    assert fresh.taken == pytest.approx(0.25)
+    for bad in (-0.1, 1.5, "1", True):
+        with pytest.raises(ValueError, match="spam taken"):
+            fresh.load_state_dict(state | {"taken": bad})

@@ -124,8 +124,14 @@ class Features:
         due. Nothing is looked up for a feature that is off."""
         if decision is not None and self.calibrator is not None:
             self.calibrate(step, decision.ratios, index.n_layers, policy.detector, events)
-        if self.eos is not None:
-            self.eos.before_update(step)  # the secant holds the raw gradients and parameters
+        if self.eos is not None:  # the secant holds the raw gradients and parameters; the threshold takes
+            # in the LR factors this step is taken with (none in monitor mode)
+            scale = 1.0
+            if self.config.nan_action != "monitor" and policy.lr_factor is not None:
+                scale *= policy.lr_factor
+            if self.spam is not None:
+                scale *= min(self.spam.factor, 1.0)
+            self.eos.before_update(step, scale)
 
     def post_clip(self, clip_input: Optional[List[float]]) -> Tuple[Optional[float], Optional[int]]:
         """The global norm after the per-layer clip and how many layers it clipped (summaries only: a sync)."""

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -238,6 +239,8 @@ class EdgeOfStabilityMonitor:
         self.checks = 0
         self.warnings = 0
         self.last_ratio: Optional[float] = None
+        self.lr_scale = 1.0  # the guard's factor on the last accepted step's LR (see before_update)
+        self._held_lr: Optional[float] = None  # the LR of the update the secant holds
         self._fd_fallback_logged = False
 
     # ------------------------------------------------------------------ scheduling
@@ -263,8 +266,14 @@ class EdgeOfStabilityMonitor:
                 out.append(est)
         return out
 
-    def before_update(self, step: int) -> None:
-        """An accepted step is about to update the parameters: hold what the secant needs, when due."""
+    def before_update(self, step: int, lr_scale: float = 1.0) -> None:
+        """An accepted step is about to update the parameters: hold what the secant needs, when due.
+        ``lr_scale``: the guard's factor on this step's LR (``instability_lr``'s, SPAM's backoff), which
+        the threshold of the next checks takes in (the secant measures this step's update; the power
+        iteration assumes the next step's factor is this one's)."""
+        # (a factor that underflowed to 0, SPAM's backoff after ~1000 refused steps in a row, stays positive:
+        # the threshold stays finite and the state loads)
+        self.lr_scale = min(1.0, max(float(lr_scale), 1e-30))
         if self.uses_secant and step >= self.next_hold:
             self.hold(step)
             self.next_hold = step + self.interval
@@ -383,8 +392,11 @@ class EdgeOfStabilityMonitor:
         return 0.0
 
     def _estimate(self, method: str, rayleigh: float, iterations: int, hvp: Optional[str], passes: int,
-                  seconds: float, converged: bool) -> SharpnessEstimate:
-        lr0 = self._lr0()
+                  seconds: float, converged: bool, lr: Optional[float] = None) -> SharpnessEstimate:
+        # the LR of the step the estimate is about, the guard's factor in it: the secant's, the update it
+        # measured (``lr``, kept by hold(): a scheduler may have moved the LR since); the power iteration's,
+        # the next step's (the scheduler's LR now, with the last accepted step's factor)
+        lr0 = lr if lr is not None else self._lr0() * self.lr_scale
         sharp = rayleigh + self._shift()
         threshold = self.constant / lr0
         ratio = sharp / threshold
@@ -584,6 +596,7 @@ class EdgeOfStabilityMonitor:
             grads = torch._foreach_mul([p.grad for p in ps], 1.0)  # copies
             theta = torch._foreach_mul(ps, 1.0)
         self._held = (step, grads, theta)
+        self._held_lr = self._lr0() * self.lr_scale  # the LR this step's update is taken with
         self._hold_seconds = time.perf_counter() - t0
 
     def secant_check(self, step: int) -> Optional[SharpnessEstimate]:
@@ -618,17 +631,20 @@ class EdgeOfStabilityMonitor:
         if not (den_f > 0 and math.isfinite(num_f)):
             return None
         seconds = time.perf_counter() - t0 + self._hold_seconds
-        return self._estimate("secant", num_f / den_f, 0, None, 0, seconds, False)
+        return self._estimate("secant", num_f / den_f, 0, None, 0, seconds, False, lr=self._held_lr)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Schedule, counters and the last ratio (JSON-native; the eigenvector is not saved: the first check
         after a resume starts from a fresh random vector and may use more iterations)."""
         return {"checks": self.checks, "warnings": self.warnings, "last_ratio": self.last_ratio,
-                "hvp_mode": self.hvp_mode, "next": [self.next_power, self.next_hold]}
+                "hvp_mode": self.hvp_mode, "next": [self.next_power, self.next_hold], "lr_scale": self.lr_scale}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
+        scale = state.get("lr_scale", 1.0)  # a checkpoint from before it: no factor
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0.0 < scale <= 1.0:
+            raise ValueError(f"edge_of_stability lr_scale must be a number in (0, 1]; got {scale!r}")
         self.checks = int(state.get("checks", 0))
         self.warnings = int(state.get("warnings", 0))
         self.last_ratio = state.get("last_ratio")
@@ -637,6 +653,7 @@ class EdgeOfStabilityMonitor:
             self.hvp_mode = mode
         nxt = state.get("next", [0, 0])
         self.next_power, self.next_hold = int(nxt[0]), int(nxt[1])
+        self.lr_scale = float(scale)
 
 
 def _dot(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], weights: Optional[Sequence[float]] = None

@@ -33,8 +33,9 @@ shard, hence for the whole tensor; DDP replicas hold identical tensors and compu
 **LR backoff** (``lr_reduction``, ``recovery_steps``). The learning rate of every group is multiplied by
 a factor that drops to ``lr_reduction`` (times the factor in force) at each refused step and recovers
 linearly to 1 over ``recovery_steps`` accepted steps. The factor is applied only around the wrapped
-optimizer's ``step()``: ``param_groups[i]["lr"]`` keeps the value the LR scheduler set, so schedules are
-never overwritten. Both apply together: the warm-up factor of a reset tensor multiplies the backoff.
+optimizer's ``step()`` (:func:`~stabilityguard.lr_scaling.with_lr_factor`): ``param_groups[i]["lr"]``
+keeps the value the LR scheduler set, so schedules are never overwritten, one stepped from a step post
+hook included. Both apply together: the warm-up factor of a reset tensor multiplies the backoff.
 
 Inspired by SPAM (Huang et al., 2025, "SPAM: Spike-Aware Adam with Momentum Reset"); its periodic
 reset (every ``Delta T`` steps, with or without a spike) and its spike-aware element clipping of the
@@ -53,6 +54,7 @@ import torch
 from ..backoff import linear_recovery
 from ..config import SPAM_SCOPES
 from ..errors import ConfigError
+from ..lr_scaling import with_lr_factor
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,7 @@ class MomentumReset:
         self.start = 1.0  # factor right after the last refused step
         self.since = 0  # accepted steps since then
         self.resets = 0
+        self.taken = 1.0  # the LR factor the last wrapped step took
         # Warm-up of the reset tensors, per tensor (by index in the optimizer's flattened parameter list):
         # [reference RMS of its pre-spike update, accepted steps since its reset, first-step factor w0 (None
         # until that step is measured)].
@@ -138,9 +141,14 @@ class MomentumReset:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ reset
-    def on_refused(self, params: Iterable[torch.Tensor]) -> int:
+    def on_refused(self, params: Iterable[torch.Tensor], lr_scale: float = 1.0) -> int:
         """Reset the state of ``params`` (or of every parameter with ``scope="all"``), record their
         pre-spike update size for the warm-up, and drop the LR factor.
+
+        Args:
+            params: The parameters of the layers that spiked.
+            lr_scale: Any other factor the last step's LR was taken with (the guard's ``instability_lr``
+                factor then in force), so the recorded update size is the one that step made.
 
         Returns:
             How many tensors had state that was reset.
@@ -161,7 +169,7 @@ class MomentumReset:
                 if i in self.warm:  # reset again while warming: keep its earlier (settled) reference
                     self.warm[i][1:] = [0, None]
                 else:
-                    u = self._last_update(p, state[p], group_of[id(p)])
+                    u = self._last_update(p, state[p], group_of[id(p)], lr_scale)
                     if u is not None:
                         fresh.append(i)
                         parts.append(u.to(parts[0].device) if parts else u)
@@ -178,10 +186,12 @@ class MomentumReset:
         self.resets += n
         return n
 
-    def _last_update(self, p: torch.Tensor, st: Dict[str, Any], group: Dict[str, Any]) -> Optional[torch.Tensor]:
+    def _last_update(self, p: torch.Tensor, st: Dict[str, Any], group: Dict[str, Any],
+                     lr_scale: float = 1.0) -> Optional[torch.Tensor]:
         """Sum of squares (0-d tensor) of the last update ``p`` received, rebuilt from its optimizer state
-        at the LR in force; ``None`` when the state cannot tell (no momentum buffer, no step yet)."""
-        lr = float(group["lr"]) * self.factor
+        at the LR in force (times ``lr_scale``); ``None`` when the state cannot tell (no momentum buffer, no
+        step yet)."""
+        lr = float(group["lr"]) * self.taken * lr_scale  # the factor that step took, not the next one's
         with torch.no_grad():
             if isinstance(self.optimizer, torch.optim.SGD):
                 buf = st.get("momentum_buffer")
@@ -218,18 +228,8 @@ class MomentumReset:
             with torch.no_grad():
                 before = [ps[i].detach().clone() for i in warm]
         f = self.factor
-        if f >= 1.0:
-            out = self.optimizer.step()
-        else:
-            groups = self.optimizer.param_groups
-            saved = [g["lr"] for g in groups]
-            try:
-                for g in groups:
-                    g["lr"] = g["lr"] * f
-                out = self.optimizer.step()
-            finally:
-                for g, lr in zip(groups, saved):
-                    g["lr"] = lr
+        out = self.optimizer.step() if f >= 1.0 else with_lr_factor(self.optimizer, f, self.optimizer.step)()
+        self.taken = f
         if warm:
             self._scale_updates(warm, before)
         if self.start < 1.0:
@@ -272,7 +272,7 @@ class MomentumReset:
     def state_dict(self) -> Dict[str, Any]:
         """LR-backoff and warm-up state (JSON-native; tensors are named by their index in the optimizer's
         flattened parameter list)."""
-        return {"start": self.start, "since": self.since, "resets": self.resets,
+        return {"start": self.start, "since": self.since, "resets": self.resets, "taken": self.taken,
                 "warmup": [[i, *e] for i, e in sorted(self.warm.items())]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -281,8 +281,13 @@ class MomentumReset:
         Raises:
             ValueError: The warm-up names a tensor the optimizer does not have, or is malformed.
         """
-        self.start = float(state.get("start", 1.0))
-        self.since = int(state.get("since", 0))
+        start, since = float(state.get("start", 1.0)), int(state.get("since", 0))
+        taken = state.get("taken", None)  # a checkpoint from before it: the factor in force stands in
+        if taken is None:
+            taken = linear_recovery(start, since, self.recovery_steps)
+        if isinstance(taken, bool) or not isinstance(taken, numbers.Real) or not 0.0 <= taken <= 1.0:
+            raise ValueError(f"spam taken (the LR factor of the last step) must be a number in [0, 1]; got {taken!r}")
+        self.start, self.since, self.taken = start, since, float(taken)
         self.resets = int(state.get("resets", 0))
         n = len(self._params())
         warm: Dict[int, List[Any]] = {}
