@@ -132,7 +132,7 @@ class Confirmation:
     :attr:`REFUSED_MEMORY` losses is confirmed by two accepted steps in a row whose losses show it (``LossTrend.confirms``), or by one
     whose loss shows it by :attr:`CLEAR_BAR` times the margin; one that begins on accepted losses alone,
     by one loss that shows it. An accepted step whose loss does not show it (or has none) starts the
-    count again. So one ordinary heavy-tailed loss after the bad batches no longer halves the LR, while
+    count again. So one ordinary heavy-tailed loss after the bad batches seldom halves the LR, while
     a natural rise, whose first accepted loss is usually far above the level, takes it at once.
 
     Each instability is confirmed on its own: one that begins (on a refused step) right after a confirmed

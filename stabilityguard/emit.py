@@ -259,7 +259,8 @@ class RunLog:
         for i, s in enumerate(shifts if shifts is not None else ()):
             if s:
                 self.counters.baseline_resets += 1
-                self.events.baseline_reset(step, i, before[i], values[i], verdict.shift_steps[i])
+                self.events.baseline_reset(step, i, before[i], values[i] * verdict.rescale.get(i, 1.0),
+                                           verdict.shift_steps[i])
 
     def flight_records(self, step: Optional[int] = None) -> None:
         """The flight records due after step ``step``; ``None``: every pending one, at the end of the run."""

@@ -50,17 +50,17 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   ``LossTrend.confirms``): a run of refused bad batches begins an instability with its losses alone, and
   the ordinary losses after it leave the LR as it is. An instability that begins while a refused
   step's loss is among the trend's last 10 needs two such accepted losses in a row, or one twice as far
-  up (one ordinary heavy-tailed loss is then not enough); a step without a loss does not confirm
+  up (one ordinary heavy-tailed loss is then seldom enough); a step without a loss does not confirm
   (:class:`~stabilityguard.backoff.Confirmation`).
-* **consistent outliers with a calm loss are a new level**: ``level_shift_steps`` consecutive scaled-back
-  steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
+* **consistent outliers outside a loss instability are a new level**: ``level_shift_steps`` consecutive
+  scaled-back steps of one layer (ratio between ``outlier_ratio`` and its spike threshold) within
   ``level_shift_spread`` of each other, while the loss is not in an instability, reset its baseline
   like a consistent run of spikes; so do such steps whose ratios *over the median ratio of the other
   layers* (:func:`relative_ratios`) are over ``outlier_ratio`` and within ``level_shift_spread`` of each
   other: a layer whose scale changed stands out from the network by a steady factor while the batch
   moves every layer's norm together (measured: an MLP's shifted layer, its norm varying 7x with the
-  batch, scaled back for 96 steps with the raw ratios alone, 5 with these); the whole network rising
-  together does not stand out.
+  batch, scaled back for 96 steps with the raw ratios alone, 5 with these; its new baseline is the run's
+  median level, :attr:`Verdict.rescale`); the whole network rising together does not stand out.
 
 What enters the baselines: every accepted step, clipped or not, feeds its measured (pre-clip) norms
 into the EMAs; refused steps feed nothing, so a critical spike never enters its own baseline. This was
@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -128,6 +129,9 @@ class Verdict:
             made it one (consecutive spikes, or consecutive scaled-back steps for a settled outlier).
         joining: Layers that joined after the run's warm-up, scaled back within their own (``early_clip``,
             reason ``warmup``).
+        rescale: Layers whose new level was accepted against the rest of the network, each with the factor
+            from this step's norm to its new baseline: the median ratio of the run over this step's (the
+            norm swings with the batch, so one step's is no level).
     """
 
     kind: str
@@ -140,6 +144,7 @@ class Verdict:
     calm_shift: Sequence[int] = ()
     shift_steps: Dict[int, int] = field(default_factory=dict)
     joining: Sequence[int] = ()
+    rescale: Dict[int, float] = field(default_factory=dict)
 
     @property
     def accepted(self) -> bool:
@@ -345,8 +350,9 @@ class GuardPolicy:
         lim = self.outlier_ratio
         factors: Optional[List[float]] = None
         reasons: List[str] = []
+        rescale: Dict[int, float] = {}
         if decision.max_ratio > lim:  # False for NaN (nothing warmed up)
-            settled = self._settled_outliers(decision)
+            settled = self._settled_outliers(decision, rescale)
             if settled:  # a consistent run of outliers is a new level too
                 decision = _mark_shifts(decision, settled)
                 early = list(early) + settled
@@ -374,8 +380,10 @@ class GuardPolicy:
             factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
             reasons.append("loss")
         if factors is None:
-            return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early, calm_shift=calm)
-        return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm, joining=tuple(joining))
+            return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early, calm_shift=calm,
+                           rescale=rescale)
+        return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm, joining=tuple(joining),
+                       rescale=rescale)
 
     def _tame(self, i: int, ratio: float) -> bool:
         """Is ``ratio`` of layer ``i`` under the runaway bound, ``spike_jump`` x its threshold? (Never
@@ -477,7 +485,7 @@ class GuardPolicy:
                         early.append(i)
         return out, early
 
-    def _settled_outliers(self, decision: Decision) -> List[int]:
+    def _settled_outliers(self, decision: Decision, rescale: Dict[int, float]) -> List[int]:
         """Outlier layers (over ``outlier_ratio``, not spiking) whose run of consecutive scaled-back steps,
         with this one, is ``level_shift_steps`` long and consistent, while the loss is not in an
         instability: a new level, accepted like a consistent run of spikes, so a moderate shift is not
@@ -500,8 +508,9 @@ class GuardPolicy:
                 if rel is None:  # the run measured against the rest of the network (see outlier_rel)
                     rel = relative_ratios(decision.ratios[: self.n_layers])
                 runr = self.outlier_rel[i][-(need - 1):] + [rel[i]]
-                if len(runr) >= need and min(runr) > lim and max(runr) <= spread * min(runr):  # False for NaN
-                    out.append(i)
+                if len(runr) >= need and all(v > lim for v in runr) and max(runr) <= spread * min(runr):
+                    out.append(i)  # (every one measured: a NaN, a step without the others, fails "v > lim")
+                    rescale[i] = statistics.median(run) / r
         return out
 
     # ------------------------------------------------------------------ committing
@@ -547,6 +556,10 @@ class GuardPolicy:
             self._open_runs = any(self.runs)
             self._open_outlier_runs = any(self.outlier_runs)
         det.commit(decision, values, present)
+        for i, f in verdict.rescale.items():  # a level accepted against the network: the run's, not this step's
+            for j, g in enumerate(det.group):
+                if g == i and (present is None or present[j]) and values[j] > 0:
+                    det.ema[j] = values[j] * f
         if self.provisional or verdict.consistent_shift or self.restored:  # none on the common step
             self._provisional_levels(verdict, before, values, present)
         if accepted and self.spike_jump is not None:  # O(layers) lists, no per-element work
@@ -683,8 +696,16 @@ class GuardPolicy:
         oruns = state.get("outlier_runs") or {}
         self.outlier_runs = [list(map(float, oruns.get(names[i], []))) for i in range(self.n_layers)]
         orel = state.get("outlier_rel") or {}  # a checkpoint from before it: unknown (NaN), the raw rule alone
-        self.outlier_rel = [[math.nan if v is None else float(v) for v in orel.get(names[i], [None] * len(run))]
-                            for i, run in enumerate(self.outlier_runs)]
+        if not isinstance(orel, dict):
+            raise ValueError(f"policy outlier_rel must map layer names to lists; got {type(orel).__name__}")
+        self.outlier_rel = []
+        for i, run in enumerate(self.outlier_runs):
+            rel = orel.get(names[i])
+            if rel is not None and not isinstance(rel, (list, tuple)):
+                raise ValueError(f"policy outlier_rel of {names[i]} must be a list; got {type(rel).__name__}")
+            if rel is None or len(rel) != len(run):  # missing, or not this run's: unknown, step by step
+                rel = [None] * len(run)
+            self.outlier_rel.append([math.nan if v is None else float(v) for v in rel])
         self._open_outlier_runs = any(self.outlier_runs)
         if self.trend is not None:
             if not state.get("trend"):
@@ -746,7 +767,7 @@ def relative_ratios(ratios: Sequence[float]) -> List[float]:
     """Each ratio over the median of the others (NaN entries, layers not covered or absent, are left out
     of the medians and stay NaN; NaN too without another ratio or with a median of 0). A layer whose
     gradient scale changed stands out from the rest of the network by a steady factor even when the
-    batch moves every layer's norm together.
+    batch moves every layer's norm together. One sort, then O(log n) per ratio.
 
     Example:
         >>> relative_ratios([8.0, 0.2, 0.2, 0.2, float("nan")])
@@ -754,15 +775,18 @@ def relative_ratios(ratios: Sequence[float]) -> List[float]:
     """
     live = sorted(r for r in ratios if r == r)
     k = len(live) - 1  # how many others each live ratio has
+    half = k // 2
     out: List[float] = []
     for r in ratios:
         if r != r or k < 1:
             out.append(math.nan)
             continue
-        j = bisect.bisect_left(live, r)  # r's place; the others are live without it
-
-        def other(pos: int) -> float:
-            return live[pos] if pos < j else live[pos + 1]
-        m = other(k // 2) if k % 2 else 0.5 * (other(k // 2 - 1) + other(k // 2))
+        j = bisect.bisect_left(live, r)  # r's place: the others are live without position j
+        hi = live[half] if half < j else live[half + 1]  # the others' element at position half
+        if k % 2:
+            m = hi
+        else:
+            lo = live[half - 1] if half - 1 < j else live[half]
+            m = 0.5 * (lo + hi)
         out.append(r / m if m > 0 else math.nan)
     return out

@@ -739,6 +739,38 @@ def test_a_shift_that_varies_with_the_batch_like_the_rest_is_a_new_level_within_
     assert CLIP in _feed_plan(raw, _shift_plan(raw, 12))[5:]
 
 
+def test_the_relative_level_is_the_runs_median_and_every_step_of_the_run_must_be_measured():
+    """The shift settles on a high-batch step (x1.5): the new baseline is the run's median level, not that
+    step's norm (a x1.5 batch would otherwise leave a baseline 1.5x too high, blind to spikes under 15x);
+    a step of the run without the other layers (no relative ratio) breaks the relative run."""
+    pol = make4(level_shift_steps=6, spike_threshold=30.0)
+    warm4(pol)
+    plan = _shift_plan(pol, 12)
+    kinds = _feed_plan(pol, plan[:5])
+    ratios = list(pol.outlier_runs[0])
+    vals, loss = plan[5]
+    v = pol.decide(vals, None, math.sqrt(sum(x * x for x in vals)), loss)
+    assert v.decision.level_shift[0] and 0 in v.rescale and kinds == [CLIP] * 5
+    r = v.decision.ratios[0]
+    pol.commit(v, vals, None, loss, math.sqrt(sum(x * x for x in vals)))
+    median = sorted(ratios + [r])[2:4]
+    assert pol.detector.ema[0] == pytest.approx(vals[0] * (sum(median) / 2) / r)
+    assert pol.detector.ema[0] < 0.8 * vals[0]  # step 5 is a x1.5 batch: its norm is above the level
+    gap = make4(level_shift_steps=6, spike_threshold=30.0)
+    warm4(gap)
+    plan = _shift_plan(gap, 12)
+    for k, (vals, loss) in enumerate(plan[:9]):
+        present = [True, False, False, False] if k == 2 else None  # step 2: the other layers absent
+        gn = math.sqrt(sum(x * x for x in vals))
+        v = gap.decide(vals, present, gn, loss)
+        gap.commit(v, vals, present, loss, gn)
+        if k == 2:
+            assert gap.outlier_rel[0][-1] != gap.outlier_rel[0][-1]  # no other layer: no relative ratio
+        if 2 <= k < 8:
+            assert v.decision.level_shift is None, k  # settled only once six measured steps are in a row
+    assert v.decision.level_shift is not None and v.decision.level_shift[0]
+
+
 def test_the_whole_network_rising_together_is_not_settled_by_the_relative_rule():
     """Every layer x4.5 and x10 in turn for 12 steps with a calm loss: the raw rule does not settle it (a
     spread over 2) and the relative one neither (no layer stands out from the others: ratios ~1)."""
@@ -774,6 +806,20 @@ def test_the_relative_run_resumes_bit_for_bit_and_an_old_checkpoint_falls_back_t
     assert all(v != v for r in old.outlier_rel for v in r)
     kinds = _feed_plan(old, plan[cut:])  # the step the full state settled at (5) is still scaled back
     assert got[5] == ACCEPT and kinds[5 - cut] == CLIP
+
+
+def test_a_malformed_relative_run_in_a_checkpoint_is_refused_or_read_as_unknown():
+    pol = make4(level_shift_steps=6, spike_threshold=30.0)
+    warm4(pol)
+    _feed_plan(pol, _shift_plan(pol, 3))
+    state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
+    other = make4(level_shift_steps=6, spike_threshold=30.0)
+    other.load_state_dict(state | {"outlier_rel": {"a": [7.0], "b": [1.0, 2.0]}})  # not these runs: unknown
+    assert [len(r) for r in other.outlier_rel] == [len(r) for r in other.outlier_runs] == [3, 0, 0, 0]
+    assert all(v != v for v in other.outlier_rel[0])
+    for bad, what in (([1.0], "must map layer names"), ({"a": 7.0}, "outlier_rel of a must be a list")):
+        with pytest.raises(ValueError, match=what):
+            make4().load_state_dict(state | {"outlier_rel": bad})
 
 
 def test_relative_ratios_is_each_ratio_over_the_median_of_the_others():

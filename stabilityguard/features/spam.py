@@ -189,8 +189,8 @@ class MomentumReset:
     def _last_update(self, p: torch.Tensor, st: Dict[str, Any], group: Dict[str, Any],
                      lr_scale: float = 1.0) -> Optional[torch.Tensor]:
         """Sum of squares (0-d tensor) of the last update ``p`` received, rebuilt from its optimizer state
-        at the LR in force (times ``lr_scale``); ``None`` when the state cannot tell (no momentum buffer, no
-        step yet)."""
+        at the LR that step took (the group's LR times SPAM's factor then, :attr:`taken`, and ``lr_scale``);
+        ``None`` when the state cannot tell (no momentum buffer, no step yet)."""
         lr = float(group["lr"]) * self.taken * lr_scale  # the factor that step took, not the next one's
         with torch.no_grad():
             if isinstance(self.optimizer, torch.optim.SGD):
