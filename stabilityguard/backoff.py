@@ -129,11 +129,12 @@ class Confirmation:
     The losses of refused steps enter the loss trend (they describe the model as it is: an LR jump is
     seen through them), so a run of refused bad batches can begin an instability with its losses alone.
     An instability that begins while a refused step's loss is among the trend's last
-    :attr:`REFUSED_MEMORY` losses is confirmed by two accepted steps in a row whose losses show it (``LossTrend.confirms``), or by one
-    whose loss shows it by :attr:`CLEAR_BAR` times the margin; one that begins on accepted losses alone,
-    by one loss that shows it. An accepted step whose loss does not show it (or has none) starts the
-    count again. So one ordinary heavy-tailed loss after the bad batches seldom halves the LR, while
-    a natural rise, whose first accepted loss is usually far above the level, takes it at once.
+    :attr:`REFUSED_MEMORY` losses is confirmed by two accepted steps in a row whose losses show it
+    (``LossTrend.confirms``), or by one whose loss shows it by :attr:`CLEAR_BAR` times the margin; one
+    that begins on accepted losses alone, by one loss that shows it. An accepted step whose loss does
+    not show it (or has none) starts the count again. So one ordinary heavy-tailed loss after the bad
+    batches seldom halves the LR, while a natural rise, whose first accepted loss is usually far above
+    the level, takes it at once.
 
     Each instability is confirmed on its own: one that begins (on a refused step) right after a confirmed
     one ended waits for its own confirmation; meanwhile the factor goes on recovering.

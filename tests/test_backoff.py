@@ -206,7 +206,8 @@ def test_a_numpy_bool_loads_and_an_impossible_state_is_refused():
 @pytest.mark.parametrize("state, field", [
     ({"need": 3}, "need"), ({"need": -1}, "need"), ({"need": 1.0}, "need"), ({"need": True}, "need"),
     ({"doubt": 1}, "doubt"), ({"doubt": None}, "doubt"),
-    ({"refused_ago": -1}, "refused_ago"), ({"refused_ago": "3"}, "refused_ago"), ({"refused_ago": False}, "refused_ago"),
+    ({"refused_ago": -1}, "refused_ago"), ({"refused_ago": "3"}, "refused_ago"),
+    ({"refused_ago": False}, "refused_ago"),
 ])
 def test_a_bad_confirmation_state_is_refused_naming_the_field(state, field):
     with pytest.raises(ValueError, match=f"confirmation {field}"):

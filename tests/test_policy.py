@@ -799,7 +799,7 @@ def test_the_relative_run_resumes_bit_for_bit_and_an_old_checkpoint_falls_back_t
     b = make4(level_shift_steps=6, spike_threshold=30.0)
     b.load_state_dict(state)
     assert first + _feed_plan(b, plan[cut:]) == got and b.state_dict() == whole.state_dict()
-    old = make4(level_shift_steps=6, spike_threshold=30.0)  # a checkpoint from before it: the run's relative ratios unknown
+    old = make4(level_shift_steps=6, spike_threshold=30.0)  # a checkpoint from before it: relative ratios unknown
     del state["outlier_rel"]
     old.load_state_dict(state)
     assert [len(r) for r in old.outlier_rel] == [len(r) for r in old.outlier_runs]
