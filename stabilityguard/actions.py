@@ -466,12 +466,10 @@ class Containment:
             layer_norms = self.scale(index, layer_norms, global_norm, factors, max_norm)
         clipped = not measured and features.clipper is not None and features.clipper.apply(layer_norms)
         update = features.spam.step if features.spam is not None else self.optimizer.step
-        if self.config.nan_action == "monitor":
-            lr_factor = None  # monitor mode trains as the plain optimizer would
-        if lr_factor is not None and lr_factor < 1.0:
-            update = with_lr_factor(self.optimizer, lr_factor, update)
-        spam_factor = features.spam.factor if features.spam is not None else 1.0
-        self.lr_factors = tuple(f for f in (lr_factor, spam_factor) if f is not None and f < 1.0)
+        self.lr_factors = self.step_factors(lr_factor)
+        instability = self._instability(lr_factor)
+        if instability is not None:
+            update = with_lr_factor(self.optimizer, instability, update)
         if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
             collector.measure_update(update, step)
         else:
@@ -479,6 +477,20 @@ class Containment:
         if self.rollback is not None:
             self.rollback.after_accepted_step(step + 1)
         return layer_norms if clipped else None
+
+    def _instability(self, lr_factor: Optional[float]) -> Optional[float]:
+        """``instability_lr``'s factor as a step takes it: ``None`` for none, for 1, and in monitor mode
+        (which trains as the plain optimizer would)."""
+        if lr_factor is None or lr_factor >= 1.0 or self.config.nan_action == "monitor":
+            return None
+        return lr_factor
+
+    def step_factors(self, lr_factor: Optional[float]) -> Tuple[float, ...]:
+        """The LR factors the next wrapped step is taken with, in the order applied: ``instability_lr``'s
+        (``lr_factor``, the policy's for this step) and SPAM's backoff; those under 1 only."""
+        spam = self.features.spam
+        return tuple(f for f in (self._instability(lr_factor), spam.factor if spam is not None else None)
+                     if f is not None and f < 1.0)
 
     @property
     def lr_factor(self) -> Optional[float]:

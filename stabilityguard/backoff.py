@@ -77,23 +77,19 @@ class InstabilityBackoff:
             unstable: The loss trend's verdict for this step.
         """
         if unstable and not self.unstable:  # an instability begins: drop, from where the factor stands
-            self.start = max(min(self.FLOOR, self.factor), self._now() * self.factor)
+            self.start = max(min(self.FLOOR, self.factor), self.in_force * self.factor)
             self.since = 0
         elif not unstable and self.start < 1.0:  # recovering: this step is one more of the way back
             self.since += 1
             if self.since >= self.recovery_steps:
                 self.start, self.since = 1.0, 0
         self.unstable = bool(unstable)
-        f = self._now()
+        f = self.in_force
         return f if f < 1.0 else None
 
     @property
     def in_force(self) -> float:
-        """The factor the last accepted step took (1: none)."""
-        return self._now()
-
-    def _now(self) -> float:
-        """The factor of the step :meth:`step` last counted."""
+        """The factor of the step :meth:`step` last counted, the last accepted step (1: none)."""
         if self.unstable:
             return min(self.start, 1.0)
         return linear_recovery(self.start, self.since, self.recovery_steps)

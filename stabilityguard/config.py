@@ -109,9 +109,10 @@ class GuardConfig:
     never below 0.1 or this factor); the LR the scheduler set is restored right after each step, so
     schedules go on undisturbed (in (0, 1]; ``None``: off). The LR drops once an accepted step's own loss
     is ``instability_z`` noise units above where the instability began, or, in the first 20 losses, a
-    rise by ``instability_rise``'s measure (the losses of a run of refused bad batches begin one too;
-    the ordinary losses after them usually leave the LR alone; a step without a loss does not
-    confirm). Not in ``monitor`` mode. Needs what the hold
+    rise by ``instability_rise``'s measure (the losses of a run of refused bad batches begin one too:
+    one begun while a refused step's loss is among the trend's last 10 needs two such losses in a row,
+    or one twice as far up, so the ordinary losses after bad batches leave the LR alone; a step without
+    a loss does not confirm). Not in ``monitor`` mode. Needs what the hold
     needs (``graded_response``, ``instability_clip`` on, a loss). Measured in ``bench/protection.py``
     (README, "Protection")."""
 

@@ -339,7 +339,8 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
         decision = verdict.decision if verdict is not None else None
         features = self._features
         if features.calibrator is not None or features.eos is not None:  # the features that watch updates
-            features.before_update(step, decision, self._index, self._policy, self._log.events)
+            features.before_update(step, decision, self._index, self._policy, self._log.events,
+                                   math.prod(self._containment.step_factors(self._policy.lr_factor)))
         # Graded scaling needs the gradients the norms were measured on: numbers from measure() may
         # predate a framework's own clipping, so they are not scaled again (see measure()).
         factors, record = None, "accepted"

@@ -132,6 +132,8 @@ class Verdict:
         rescale: Layers whose new level was accepted against the rest of the network, each with the factor
             from this step's norm to its new baseline: the median ratio of the run over this step's (the
             norm swings with the batch, so one step's is no level).
+        relative: With a layer over ``outlier_ratio``, every layer's ratio over the median of the others'
+            (:func:`relative_ratios`, for the outlier runs); ``None`` otherwise.
     """
 
     kind: str
@@ -145,6 +147,7 @@ class Verdict:
     shift_steps: Dict[int, int] = field(default_factory=dict)
     joining: Sequence[int] = ()
     rescale: Dict[int, float] = field(default_factory=dict)
+    relative: Optional[List[float]] = None
 
     @property
     def accepted(self) -> bool:
@@ -351,8 +354,10 @@ class GuardPolicy:
         factors: Optional[List[float]] = None
         reasons: List[str] = []
         rescale: Dict[int, float] = {}
+        rel: Optional[List[float]] = None
         if decision.max_ratio > lim:  # False for NaN (nothing warmed up)
-            settled = self._settled_outliers(decision, rescale)
+            rel = relative_ratios(decision.ratios[: self.n_layers])  # once, for the runs and commit()
+            settled = self._settled_outliers(decision, rel, rescale)
             if settled:  # a consistent run of outliers is a new level too
                 decision = _mark_shifts(decision, settled)
                 early = list(early) + settled
@@ -381,9 +386,9 @@ class GuardPolicy:
             reasons.append("loss")
         if factors is None:
             return Verdict(ACCEPT, decision, global_ratio=gr, loss_z=z, consistent_shift=early, calm_shift=calm,
-                           rescale=rescale)
+                           rescale=rescale, relative=rel)
         return Verdict(CLIP, decision, factors, tuple(reasons), gr, z, early, calm, joining=tuple(joining),
-                       rescale=rescale)
+                       rescale=rescale, relative=rel)
 
     def _tame(self, i: int, ratio: float) -> bool:
         """Is ``ratio`` of layer ``i`` under the runaway bound, ``spike_jump`` x its threshold? (Never
@@ -485,7 +490,7 @@ class GuardPolicy:
                         early.append(i)
         return out, early
 
-    def _settled_outliers(self, decision: Decision, rescale: Dict[int, float]) -> List[int]:
+    def _settled_outliers(self, decision: Decision, rel: List[float], rescale: Dict[int, float]) -> List[int]:
         """Outlier layers (over ``outlier_ratio``, not spiking) whose run of consecutive scaled-back steps,
         with this one, is ``level_shift_steps`` long and consistent, while the loss is not in an
         instability: a new level, accepted like a consistent run of spikes, so a moderate shift is not
@@ -495,8 +500,7 @@ class GuardPolicy:
         lim, need, mask, det = self.outlier_ratio, self.level_shift_steps, decision.spike_mask, self.detector
         spread = self.level_shift_spread
         out = []
-        rel: Optional[List[float]] = None
-        for i, r in enumerate(decision.ratios):
+        for i, r in enumerate(decision.ratios[: self.n_layers]):
             # only outliers proper (under the layer's spike threshold): a rise past it that spike_jump let
             # through as gradual is scaled back, never settled
             if lim < r <= det.limit(i) and not (mask is not None and mask[i]) \
@@ -505,9 +509,7 @@ class GuardPolicy:
                 if max(run) <= spread * min(run):
                     out.append(i)
                     continue
-                if rel is None:  # the run measured against the rest of the network (see outlier_rel)
-                    rel = relative_ratios(decision.ratios[: self.n_layers])
-                runr = self.outlier_rel[i][-(need - 1):] + [rel[i]]
+                runr = self.outlier_rel[i][-(need - 1):] + [rel[i]]  # against the rest of the network
                 if len(runr) >= need and all(v > lim for v in runr) and max(runr) <= spread * min(runr):
                     out.append(i)  # (every one measured: a NaN, a step without the others, fails "v > lim")
                     rescale[i] = statistics.median(run) / r
@@ -535,7 +537,8 @@ class GuardPolicy:
             self._open_runs = any(self.runs)
         if verdict.kind == CLIP and "layer" in verdict.reasons:
             lim = self.outlier_ratio
-            rel = relative_ratios(decision.ratios[: self.n_layers])
+            rel = verdict.relative
+            assert rel is not None  # a layer over outlier_ratio: decide() measured them
             for i, r in enumerate(decision.ratios[: self.n_layers]):
                 if r > lim and not (shifts is not None and shifts[i]):
                     self.outlier_runs[i].append(r)

@@ -118,20 +118,17 @@ class Features:
             events.calibration(step, cal.thresholds or [], warmup_steps=cal.warmup, z=cal.z,
                                max_threshold=cal.max_threshold)
 
-    def before_update(self, step: int, decision: Any, index: Any, policy: Any, events: Any) -> None:
+    def before_update(self, step: int, decision: Any, index: Any, policy: Any, events: Any,
+                      lr_scale: float = 1.0) -> None:
         """An accepted step is about to update the parameters: calibration learns the layer ratios of its
         ``decision`` (``None``: a refused step taken in monitor mode), the secant holds what it needs, when
-        due. Nothing is looked up for a feature that is off."""
+        due (``lr_scale``: the guard's LR factor on this step, for the stability threshold). Nothing is
+        looked up for a feature that is off."""
         if decision is not None and self.calibrator is not None:
             self.calibrate(step, decision.ratios, index.n_layers, policy.detector, events)
         if self.eos is not None:  # the secant holds the raw gradients and parameters; the threshold takes
-            # in the LR factors this step is taken with (none in monitor mode)
-            scale = 1.0
-            if self.config.nan_action != "monitor" and policy.lr_factor is not None:
-                scale *= policy.lr_factor
-            if self.spam is not None:
-                scale *= min(self.spam.factor, 1.0)
-            self.eos.before_update(step, scale)
+            # in the LR factors this step is taken with (Containment.step_factors)
+            self.eos.before_update(step, lr_scale)
 
     def post_clip(self, clip_input: Optional[List[float]]) -> Tuple[Optional[float], Optional[int]]:
         """The global norm after the per-layer clip and how many layers it clipped (summaries only: a sync)."""
