@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .lr_scaling import with_lr_factor
+from .lr_scaling import lr_at_step, with_lr_factor
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +379,10 @@ class Containment:
         self._warned_measured = False
         #: The LR factors of the step being taken (instability_lr's, SPAM's), in the order they were applied.
         self.lr_factors: Tuple[float, ...] = ()
+        #: Every group's LR as set when the last update ran, before the factors, read by a hook when the
+        #: wrapped optimizer has step hooks of its own (an LR scheduler stepped in one moves them inside
+        #: ``step()``); ``None``: the LRs in ``param_groups`` now (:meth:`lr_taken`).
+        self.stepped_lrs: Optional[List[Any]] = None
 
     def reindex(self, model: Optional[torch.nn.Module], index: Any, step: int) -> None:
         """Follow a new parameter index: guard the owned buffers, one group per module; with rollback,
@@ -402,7 +406,7 @@ class Containment:
         """Discard the step's gradients, put back the buffers its forward pass wrote (and mark them: they are
         the state the next refused step returns to); count it as skipped."""
         skip_step(self.optimizer)
-        self.lr_factors = ()
+        self.lr_factors, self.stepped_lrs = (), None
         self.buffers.restore()  # the forward pass's writes (BatchNorm statistics) never happened
         self.buffers.mark()
         counters.skipped += 1
@@ -428,6 +432,7 @@ class Containment:
         the last accepted step took, for SPAM's record of its update size). Returns the ``action``
         record's fields."""
         action, to = self.config.nan_action, None
+        self.stepped_lrs = None  # no update: the records show the LR as it is now
         if action == "skip":
             self.skip(counters)
         elif action == "rollback":
@@ -470,10 +475,18 @@ class Containment:
         instability = self._instability(lr_factor)
         if instability is not None:
             update = with_lr_factor(self.optimizer, instability, update)
-        if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
-            collector.measure_update(update, step)
-        else:
-            update()
+        self.stepped_lrs = None
+        if features.spam is not None:
+            features.spam.lrs_at_update = None  # set again by the hook if the optimizer has step hooks
+        handle = lr_at_step(self.optimizer, self._stepped)
+        try:
+            if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer
+                collector.measure_update(update, step)
+            else:
+                update()
+        finally:
+            if handle is not None:
+                handle.remove()
         if self.rollback is not None:
             self.rollback.after_accepted_step(step + 1)
         return layer_norms if clipped else None
@@ -496,6 +509,19 @@ class Containment:
     def lr_factor(self) -> Optional[float]:
         """The product of :attr:`lr_factors`, the step's LR factor (``None``: none)."""
         return math.prod(self.lr_factors) if self.lr_factors else None
+
+    def _stepped(self, lrs: List[Any]) -> None:
+        self.stepped_lrs = lrs
+        if self.features.spam is not None:  # the reference of its warm-up: the update this step makes
+            self.features.spam.lrs_at_update = list(lrs)  # as they are: a tensor LR is read at a refusal only
+
+    def lr_taken(self, groups: Sequence[Dict[str, Any]]) -> Any:
+        """The LR the step just taken used (what records and summaries show): the first group's, as set when
+        its update ran (a scheduler stepped from a step hook of the wrapped optimizer moves it inside the
+        step), times the step's LR factors (:meth:`scaled_lr`)."""
+        lrs = self.stepped_lrs
+        lr = lrs[0] if lrs else (groups[0].get("lr") if groups else None)
+        return self.scaled_lr(lr)
 
     def scaled_lr(self, lr: Any) -> Any:
         """``lr`` as the step just taken used it: times its LR factors in the order they were applied, so

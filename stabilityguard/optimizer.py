@@ -360,8 +360,7 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
 
     def _lr(self) -> Optional[float]:
         """The first parameter group's LR as this step used it (what records and summaries show)."""
-        lr = self.param_groups[0].get("lr") if self.param_groups else None
-        return self._containment.scaled_lr(lr)  # instability_lr's factor (during and after an instability), SPAM's
+        return self._containment.lr_taken(self.param_groups)  # with instability_lr's and SPAM's factors
 
     def _incident(self, nonfinite: bool, step: int, stats: GradStats, verdict: Optional[Verdict],
                   before: List[float], message: str, **fields: Any) -> Optional[GradientSpikeError]:

@@ -65,6 +65,13 @@ def _batches():
     return [data.batch(BATCH, SEQ) for _ in range(STEPS)]
 
 
+def _at_update(base, fn):
+    """``fn(base)`` right after the wrapped optimizer's update, inside its ``step()``, before its post hooks:
+    the LRs are still those the update took (a step pre hook of the user's sees the LRs as set, before
+    the guard's factor: see stabilityguard/lr_scaling.py). torch calls ``_optimizer_step_code`` there."""
+    base._optimizer_step_code = lambda: fn(base)
+
+
 def _build(cfg):
     model = make_model(0)
     base = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -217,8 +224,7 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     batches = _batches()
     model, opt = _build(cfg)
     seen = []  # (LR at the wrapped step, unstable)
-    opt.base_optimizer.register_step_pre_hook(
-        lambda o, args, kwargs: seen.append((o.param_groups[0]["lr"], opt._policy.unstable)))
+    _at_update(opt.base_optimizer, lambda o: seen.append((o.param_groups[0]["lr"], opt._policy.unstable)))
     after = []
     for step in range(STEPS):
         _train(model, opt, batches, step, step + 1, rise=True)
@@ -242,20 +248,32 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     opt.close()
 
 
-def test_summaries_show_the_lr_the_step_used():
-    """Each step_summary (log_every=1) shows the LR its step used: the schedule's, times instability_lr's
-    factor during the instability and on the way back."""
+@pytest.mark.parametrize("hook", [None, "post", "pre"])
+def test_records_and_summaries_show_the_lr_the_step_used(hook):
+    """Each record and step_summary (log_every=1) shows the LR its step used: the schedule's, times
+    instability_lr's factor during the instability and on the way back. Also with a scheduler stepped from
+    a step hook of the wrapped optimizer: from a post hook it moved the LR on inside step(), and the
+    records showed the next step's LR; from a pre hook, the LR the update takes is set inside step()."""
     batches = _batches()
     model, opt = _build({"log_every": 1})
+    if hook is not None:
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt.base_optimizer, gamma=0.97)
+        register = opt.base_optimizer.register_step_post_hook if hook == "post" else \
+            opt.base_optimizer.register_step_pre_hook
+        register(lambda *a: sched.step())
     summaries = []
     opt.add_sink(type("Capture", (), {"emit": lambda self, e: summaries.append(e) if e.kind == "step_summary"
                                       else None})())
     seen = {}
-    opt.base_optimizer.register_step_pre_hook(
-        lambda o, args, kwargs: seen.__setitem__(opt.counters.steps, o.param_groups[0]["lr"]))
+    _at_update(opt.base_optimizer, lambda o: seen.__setitem__(opt.counters.steps, o.param_groups[0]["lr"]))
     _train(model, opt, batches, 0, STEPS, rise=True)
-    assert len({lr for lr in seen.values()}) > 3  # full, halved, and the way back
-    assert [s.lr for s in summaries] == [seen.get(s.step, 3e-3) for s in summaries]
+    gamma = 0.97 if hook is not None else 1.0
+    assert len({lr / gamma ** step for step, lr in seen.items()}) > 3  # full, halved, and the way back
+    taken = [row for row in opt.recorder.window() if row["action"] in ("accepted", "clip")]
+    assert len(taken) > 40 and all(row["lr"] == seen[row["step"]] for row in taken)
+    assert [s.lr for s in summaries if s.step in seen] == [seen[s.step] for s in summaries if s.step in seen]
+    if hook is None:  # a refused step's summary shows the LR in force
+        assert [s.lr for s in summaries if s.step not in seen] == [3e-3 for s in summaries if s.step not in seen]
     opt.close()
 
 
@@ -265,8 +283,7 @@ def test_records_show_the_lr_the_step_used_with_spam_too():
     batches = _batches()
     model, opt = _build({"enable_spam": True})
     seen = {}
-    opt.base_optimizer.register_step_pre_hook(
-        lambda o, args, kwargs: seen.__setitem__(opt.counters.steps, o.param_groups[0]["lr"]))
+    _at_update(opt.base_optimizer, lambda o: seen.__setitem__(opt.counters.steps, o.param_groups[0]["lr"]))
     _train(model, opt, batches, 0, STEPS, rise=True)
     taken = [row for row in opt.recorder.window() if row["action"] in ("accepted", "clip")]
     assert taken and all(row["lr"] == seen[row["step"]] for row in taken)

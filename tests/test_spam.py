@@ -348,6 +348,28 @@ def test_every_supported_optimizer_resets_and_warms_up(make):
     json.dumps(opt.guard_state_dict()["spam"])
 
 
+def _update_then_spike(opt, model, data, before_39=None):
+    """40 steps of the tiny GPT (``before_39()`` run before step 39), then a x1000 spike of block 1's MLP
+    projection at step 40 (refused: SPAM resets it). The RMS of the update step 39 made to that layer's
+    tensors (the reference SPAM's warm-up must take) and the LR factor step 39 took."""
+    layer = list(model.blocks[1].mlp.proj.parameters())
+    for step in range(41):
+        loss = model.loss(*data.batch(8, 16))
+        loss.backward()
+        if step == 39:
+            if before_39 is not None:
+                before_39()
+            before = [p.detach().clone() for p in layer]
+        if step == 40:
+            scale_grad(model.blocks[1].mlp.proj, 1000.0)
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if step == 39:
+            made = [float((p.detach() - b).pow(2).mean().sqrt()) for p, b in zip(layer, before)]
+            factor = opt._containment.lr_factor
+    return made, factor
+
+
 def test_the_reset_records_the_update_the_last_step_made_under_instability_lr():
     """The reference of SPAM's warm-up is the size of the last update before the spike, rebuilt from the
     optimizer state at the LR in force: with instability_lr's factor on that step (on its way back after a
@@ -358,19 +380,11 @@ def test_the_reset_records_the_update_the_last_step_made_under_instability_lr():
     base = torch.optim.AdamW(model.parameters(), lr=3e-3)
     opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_spam=True, spam_lr_reduction=1.0)
     layer = list(model.blocks[1].mlp.proj.parameters())
-    for step in range(41):
-        loss = model.loss(*data.batch(8, 16))
-        loss.backward()
-        if step == 39:  # the factor of a recovery under way: 0.5, one step back towards 1
-            opt._policy.backoff.load_state_dict({"start": 0.5, "since": 0, "unstable": False})
-            before = [p.detach().clone() for p in layer]
-        if step == 40:
-            scale_grad(model.blocks[1].mlp.proj, 1000.0)
-        opt.step(loss=loss)
-        opt.zero_grad()
-        if step == 39:
-            assert opt._containment.lr_factor == pytest.approx(0.505)
-            made = [float((p.detach() - b).pow(2).mean().sqrt()) for p, b in zip(layer, before)]
+
+    def recovering():  # the factor of a recovery under way: 0.5, one step back towards 1
+        opt._policy.backoff.load_state_dict({"start": 0.5, "since": 0, "unstable": False})
+    made, factor = _update_then_spike(opt, model, data, recovering)
+    assert factor == pytest.approx(0.505)
     assert opt.counters.skipped == 1 and opt._policy.taken_lr_factor == pytest.approx(0.505)
     index = {id(p): i for i, p in enumerate(model.parameters())}
     refs = [opt._features.spam.warm[index[id(p)]][0] for p in layer]
@@ -412,3 +426,33 @@ def test_two_refused_steps_in_a_row_record_the_update_the_last_accepted_step_mad
     for bad in (-0.1, 1.5, "1", True):
         with pytest.raises(ValueError, match="spam taken"):
             fresh.load_state_dict(state | {"taken": bad})
+
+
+@pytest.mark.parametrize("hook", ["post", "pre"])
+def test_the_reset_records_the_update_made_at_the_lr_a_hook_scheduler_set(hook):
+    """With a scheduler stepped from a step post hook, the group's LR had moved on to the next step's when a
+    refused step rebuilt the last update (gamma 0.5: the reference half the update made); the LRs the update
+    took are read by the guard's hook (`lrs_at_update`), in SPAM's state, and a bad value is refused."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
+    data = MarkovData(vocab_size=32, seed=0)
+    base = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(base, lambda k: 1.0 if k < 39 else 0.5 ** (k - 38))
+    (base.register_step_post_hook if hook == "post" else base.register_step_pre_hook)(lambda *a: sched.step())
+    opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_spam=True, spam_lr_reduction=1.0)
+    layer = list(model.blocks[1].mlp.proj.parameters())
+    made, _ = _update_then_spike(opt, model, data)
+    spam = opt._features.spam
+    assert opt.counters.skipped == 1
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    assert [spam.warm[index[id(p)]][0] for p in layer] == pytest.approx(made, rel=0.02)
+    state = json.loads(json.dumps(spam.state_dict()))
+    assert state["lrs_at_update"] == [pytest.approx(base.param_groups[0]["lr"] * (2.0 if hook == "post" else 1.0))]
+    fresh = MomentumReset(base, lr_reduction=0.5, recovery_steps=10, warmup_steps=20)
+    fresh.load_state_dict(state)
+    assert fresh.lrs_at_update == state["lrs_at_update"]
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "lrs_at_update"})  # from before it
+    assert fresh.lrs_at_update is None
+    for bad in ("0.1", [True], [float("nan")], ["x"], 0.1):
+        with pytest.raises(ValueError, match="spam lrs_at_update"):
+            fresh.load_state_dict(state | {"lrs_at_update": bad})

@@ -108,6 +108,10 @@ class MomentumReset:
         self.since = 0  # accepted steps since then
         self.resets = 0
         self.taken = 1.0  # the LR factor the last wrapped step took
+        #: Each group's LR (before the factors) when the last update ran, read by the guard when the
+        #: optimizer has step hooks of its own (a scheduler stepped in one has moved them on since);
+        #: ``None``: the groups' LRs now are the ones it took.
+        self.lrs_at_update: Optional[List[Any]] = None
         # Warm-up of the reset tensors, per tensor (by index in the optimizer's flattened parameter list):
         # [reference RMS of its pre-spike update, accepted steps since its reset, first-step factor w0 (None
         # until that step is measured)].
@@ -157,7 +161,7 @@ class MomentumReset:
         all_params = self._params()
         targets: List[torch.Tensor] = all_params if self.scope == "all" else list(params)
         index = {id(p): i for i, p in enumerate(all_params)}
-        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        group_of = {id(p): (k, g) for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         fresh: List[int] = []
         parts: List[torch.Tensor] = []
         n = 0
@@ -169,7 +173,8 @@ class MomentumReset:
                 if i in self.warm:  # reset again while warming: keep its earlier (settled) reference
                     self.warm[i][1:] = [0, None]
                 else:
-                    u = self._last_update(p, state[p], group_of[id(p)], lr_scale)
+                    k, group = group_of[id(p)]
+                    u = self._last_update(p, state[p], group, lr_scale, self._update_lr(k, group))
                     if u is not None:
                         fresh.append(i)
                         parts.append(u.to(parts[0].device) if parts else u)
@@ -186,12 +191,20 @@ class MomentumReset:
         self.resets += n
         return n
 
+    def _update_lr(self, k: int, group: Dict[str, Any]) -> float:
+        """Group ``k``'s LR, before the factors, when the last update ran (:attr:`lrs_at_update`, else now)."""
+        lrs = self.lrs_at_update
+        lr = lrs[k] if lrs is not None and k < len(lrs) else None
+        return float(group["lr"] if lr is None or isinstance(lr, bool) else lr)
+
     def _last_update(self, p: torch.Tensor, st: Dict[str, Any], group: Dict[str, Any],
-                     lr_scale: float = 1.0) -> Optional[torch.Tensor]:
+                     lr_scale: float = 1.0, group_lr: Optional[float] = None) -> Optional[torch.Tensor]:
         """Sum of squares (0-d tensor) of the last update ``p`` received, rebuilt from its optimizer state
-        at the LR that step took (the group's LR times SPAM's factor then, :attr:`taken`, and ``lr_scale``);
-        ``None`` when the state cannot tell (no momentum buffer, no step yet)."""
-        lr = float(group["lr"]) * self.taken * lr_scale  # the factor that step took, not the next one's
+        at the LR that step took (``group_lr``, the group's LR then, by default its LR now, times SPAM's
+        factor then, :attr:`taken`, and ``lr_scale``); ``None`` when the state cannot tell (no momentum
+        buffer, no step yet)."""
+        base = float(group["lr"]) if group_lr is None else group_lr
+        lr = base * self.taken * lr_scale  # the factor that step took, not the next one's
         with torch.no_grad():
             if isinstance(self.optimizer, torch.optim.SGD):
                 buf = st.get("momentum_buffer")
@@ -273,6 +286,9 @@ class MomentumReset:
         """LR-backoff and warm-up state (JSON-native; tensors are named by their index in the optimizer's
         flattened parameter list)."""
         return {"start": self.start, "since": self.since, "resets": self.resets, "taken": self.taken,
+                "lrs_at_update": None if self.lrs_at_update is None else [
+                    float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else None
+                    for v in self.lrs_at_update],
                 "warmup": [[i, *e] for i, e in sorted(self.warm.items())]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -287,7 +303,15 @@ class MomentumReset:
             taken = linear_recovery(start, since, self.recovery_steps)
         if isinstance(taken, bool) or not isinstance(taken, numbers.Real) or not 0.0 <= taken <= 1.0:
             raise ValueError(f"spam taken (the LR factor of the last step) must be a number in [0, 1]; got {taken!r}")
-        self.start, self.since, self.taken = start, since, float(taken)
+        lrs = state.get("lrs_at_update", None)  # absent before it: the groups' LRs now
+        if lrs is not None:
+            if not isinstance(lrs, (list, tuple)) or not all(
+                    v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v))
+                    for v in lrs):
+                raise ValueError(f"spam lrs_at_update (each group's LR at the last update) must be a list of "
+                                 f"finite numbers or None; got {lrs!r}")
+            lrs = [None if v is None else float(v) for v in lrs]
+        self.start, self.since, self.taken, self.lrs_at_update = start, since, float(taken), lrs
         self.resets = int(state.get("resets", 0))
         n = len(self._params())
         warm: Dict[int, List[Any]] = {}
