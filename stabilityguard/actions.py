@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .lr_scaling import lr_at_step, with_lr_factor
+from .lr_scaling import lr_at_step, snapshot, with_lr_factor
 
 logger = logging.getLogger(__name__)
 
@@ -487,6 +487,8 @@ class Containment:
         finally:
             if handle is not None:
                 handle.remove()
+        if handle is None and features.spam is not None:  # no hook ran inside: the LRs now are the ones it took
+            features.spam.lrs_at_update = [snapshot(g.get("lr")) for g in self.optimizer.param_groups]
         if self.rollback is not None:
             self.rollback.after_accepted_step(step + 1)
         return layer_norms if clipped else None
@@ -521,7 +523,7 @@ class Containment:
         step), times the step's LR factors (:meth:`scaled_lr`)."""
         lrs = self.stepped_lrs
         lr = lrs[0] if lrs else (groups[0].get("lr") if groups else None)
-        return self.scaled_lr(lr)
+        return snapshot(self.scaled_lr(lr))  # a tensor LR is written in place by its scheduler
 
     def scaled_lr(self, lr: Any) -> Any:
         """``lr`` as the step just taken used it: times its LR factors in the order they were applied, so

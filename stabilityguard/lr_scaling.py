@@ -42,8 +42,27 @@ import torch.optim.optimizer as _torch_optimizer
 
 logger = logging.getLogger(__name__)
 
-# torch's registry of optimizer-wide step pre hooks (register_optimizer_step_pre_hook).
+# torch's registries of optimizer-wide step hooks (register_optimizer_step_pre_hook / _post_hook).
 _global_pre_hooks: Any = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
+_global_post_hooks: Any = getattr(_torch_optimizer, "_global_optimizer_post_hooks", {})
+_warned = False  # the factor-not-applied warning, once per process
+
+
+def _hooked(optimizer: Any) -> bool:
+    """Can an LR scheduler run inside ``optimizer.step()``: it has step hooks of its own or optimizer-wide
+    ones are registered (and it has torch's hook registries)?"""
+    pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    post = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    return (isinstance(pre, OrderedDict) and isinstance(post, OrderedDict)
+            and bool(pre or post or _global_pre_hooks or _global_post_hooks)
+            and callable(getattr(optimizer, "register_step_pre_hook", None))
+            and callable(getattr(optimizer, "register_step_post_hook", None)))
+
+
+def snapshot(lr: Any) -> Any:
+    """``lr`` as it is now: a copy of a tensor LR (torch's schedulers write a tensor LR in place; a device
+    copy, no host sync), any other value as it is."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def with_lr_factor(optimizer: torch.optim.Optimizer, factor: float, step: Callable[[], Any]) -> Callable[[], Any]:
@@ -85,17 +104,23 @@ def with_lr_factor(optimizer: torch.optim.Optimizer, factor: float, step: Callab
             ran = True
             scale()
 
+        global _warned
         handles = _step_hooks(optimizer, restore, after_pre_hooks, restore)
         inside = bool(handles) and bool(_global_pre_hooks)  # optimizer-wide pre hooks: scale in the step only
+        raised = False
         try:
             if not inside:
                 scale()
             return step()
+        except BaseException:
+            raised = True
+            raise
         finally:
             restore()
             for handle in reversed(handles):
                 handle.remove()
-            if inside and not ran:
+            if inside and not ran and not raised and not _warned:
+                _warned = True
                 logger.warning("stabilityguard: an LR factor of %g was not applied: the step did not run the "
                                "optimizer's step hooks (optimizer-wide step pre hooks are registered, so the "
                                "LRs are scaled inside its step)", factor)
@@ -136,15 +161,13 @@ def _after_pre_hooks(optimizer: Any, fn: Callable[..., None]) -> Any:
 def _step_hooks(optimizer: Any, first_pre: Callable[..., None], after_pre: Callable[..., None],
                 first_post: Callable[..., None]) -> List[Any]:
     """``first_pre`` ahead of the optimizer's step pre hooks, ``after_pre`` after them
-    (:func:`_after_pre_hooks`), ``first_post`` ahead of its post hooks. Their handles; none for an
-    optimizer without torch's hook registries (a wrapper that does not call ``Optimizer.__init__``): then
-    only the scaling before ``step()`` and the restore after it apply."""
-    pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
-    post = getattr(optimizer, "_optimizer_step_post_hooks", None)
-    if not (isinstance(pre, OrderedDict) and isinstance(post, OrderedDict)
-            and callable(getattr(optimizer, "register_step_pre_hook", None))
-            and callable(getattr(optimizer, "register_step_post_hook", None))):
+    (:func:`_after_pre_hooks`), ``first_post`` ahead of its post hooks. Their handles; none when no hook
+    can run inside its step (:func:`_hooked`: no step hooks, or no torch hook registries, a wrapper that
+    does not call ``Optimizer.__init__``): then the scaling before ``step()`` and the restore after it
+    are exact, and cost nothing more."""
+    if not _hooked(optimizer):
         return []
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
     first = optimizer.register_step_pre_hook(first_pre)
     pre.move_to_end(first.id, last=False)
     handles = [first, _after_pre_hooks(optimizer, after_pre), optimizer.register_step_post_hook(first_post)]
@@ -153,11 +176,11 @@ def _step_hooks(optimizer: Any, first_pre: Callable[..., None], after_pre: Calla
 
 
 def lr_at_step(optimizer: Any, record: Callable[[List[Any]], None]) -> Optional[Any]:
-    """On an optimizer with step hooks of its own (an LR scheduler may be stepped in one, inside its
-    ``step()``), calls ``record`` after its pre hooks with every parameter group's LR as they left them:
-    the LRs the next update takes, before any :func:`with_lr_factor` (whose scaling is placed later,
-    inside the step). Its handle, to remove after the step; ``None`` when the optimizer has no such
-    hooks (the LRs after ``step()`` are then the ones it took) or no hook registries.
+    """On an optimizer with step hooks (its own or optimizer-wide: an LR scheduler may be stepped in one,
+    inside its ``step()``), calls ``record`` after its pre hooks with every parameter group's LR as they
+    left them (:func:`snapshot`): the LRs the next update takes, before any :func:`with_lr_factor`
+    (whose scaling is placed later, inside the step). Its handle, to remove after the step; ``None``
+    when no hook can run inside the step (the LRs after ``step()`` are then the ones it took).
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(1)); p.grad = torch.ones(1)
@@ -168,13 +191,10 @@ def lr_at_step(optimizer: Any, record: Callable[[List[Any]], None]) -> Optional[
         >>> seen, opt.param_groups[0]["lr"]  # the step took 0.1; the schedule moved on to 0.05
         ([[0.1]], 0.05)
     """
-    pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
-    post = getattr(optimizer, "_optimizer_step_post_hooks", None)
-    if not (pre or post) or not isinstance(pre, OrderedDict) \
-            or not callable(getattr(optimizer, "register_step_pre_hook", None)):
+    if not _hooked(optimizer):
         return None
     groups = optimizer.param_groups
-    return _after_pre_hooks(optimizer, lambda *_: record([g.get("lr") for g in groups]))
+    return _after_pre_hooks(optimizer, lambda *_: record([snapshot(g.get("lr")) for g in groups]))
 
 
-__all__ = ["lr_at_step", "with_lr_factor"]
+__all__ = ["lr_at_step", "snapshot", "with_lr_factor"]

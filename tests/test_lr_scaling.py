@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from stabilityguard import GuardedOptimizer
+from stabilityguard import lr_scaling
 from stabilityguard.lr_scaling import with_lr_factor
 
 
@@ -240,18 +241,25 @@ def test_a_scheduler_stepped_in_an_optimizer_wide_pre_hook_keeps_its_schedule(sc
     assert used == pytest.approx([f * lr for f, lr in zip(factors, plain)], rel=1e-5)
 
 
-def test_a_factor_that_cannot_be_applied_inside_the_step_is_said(caplog):
+def test_a_factor_that_cannot_be_applied_inside_the_step_is_said(caplog, monkeypatch):
     """With optimizer-wide pre hooks the scaling waits for the step's hooks; a ``step`` that never runs them
     (it does not call the optimizer's step) took no factor: a warning says so."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     opt = torch.optim.SGD([_param()], lr=0.1)
     handle = register_optimizer_step_pre_hook(lambda *a: None)
+    def fails():
+        raise RuntimeError("boom")
+    monkeypatch.setattr(lr_scaling, "_warned", False)
     try:
         with caplog.at_level("WARNING", logger="stabilityguard.lr_scaling"):
-            assert with_lr_factor(opt, 0.5, lambda: opt.param_groups[0]["lr"])() == 0.1
+            with pytest.raises(RuntimeError):  # a step that raised: its own error says enough
+                with_lr_factor(opt, 0.5, fails)()
+            assert "was not applied" not in caplog.text
+            for _ in range(3):
+                assert with_lr_factor(opt, 0.5, lambda: opt.param_groups[0]["lr"])() == 0.1
     finally:
         handle.remove()
-    assert "was not applied" in caplog.text and opt.param_groups[0]["lr"] == 0.1
+    assert caplog.text.count("was not applied") == 1 and opt.param_groups[0]["lr"] == 0.1  # said once
 
 
 def test_a_pre_hook_that_raises_after_a_scheduler_stepped_keeps_the_schedule():
@@ -268,3 +276,32 @@ def test_a_pre_hook_that_raises_after_a_scheduler_stepped_keeps_the_schedule():
         with_lr_factor(opt, 0.5, opt.step)()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05) == sched.get_last_lr()[0]
     assert list(opt._optimizer_step_pre_hooks.values())[-1] is boom and not opt._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("where", ["outside", "post"])
+def test_records_of_a_tensor_lr_show_the_lr_each_update_took(where):
+    """torch's schedulers write a tensor LR in place: the records kept the group's own tensor and showed the
+    LR as it was when they were read (an outside review: every flight-recorder row the last LR). They keep
+    a copy (a device copy, no host read)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    base = torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1))
+    sched = torch.optim.lr_scheduler.ExponentialLR(base, gamma=0.5)
+    if where == "post":
+        base.register_step_post_hook(lambda *a: sched.step())
+    opt = GuardedOptimizer(base, m, log_dir=None, verbose=False, warmup_steps=2, log_every=1)
+    summaries = []
+    opt.add_sink(type("C", (), {"emit": lambda self, e: summaries.append(e.lr) if e.kind == "step_summary"
+                                else None})())
+    x = torch.randn(16, 4)
+    for _ in range(5):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if where == "outside":
+            sched.step()
+    took = [0.1 * 0.5 ** k for k in range(5)]
+    assert [float(r["lr"]) for r in opt.recorder.window()] == pytest.approx(took)
+    assert summaries == pytest.approx(took)
+    opt.close()

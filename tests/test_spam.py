@@ -428,26 +428,43 @@ def test_two_refused_steps_in_a_row_record_the_update_the_last_accepted_step_mad
             fresh.load_state_dict(state | {"taken": bad})
 
 
-@pytest.mark.parametrize("hook", ["post", "pre"])
-def test_the_reset_records_the_update_made_at_the_lr_a_hook_scheduler_set(hook):
-    """With a scheduler stepped from a step post hook, the group's LR had moved on to the next step's when a
-    refused step rebuilt the last update (gamma 0.5: the reference half the update made); the LRs the update
-    took are read by the guard's hook (`lrs_at_update`), in SPAM's state, and a bad value is refused."""
+@pytest.mark.parametrize("hook, tensor_lr", [("post", False), ("pre", False), ("optimizer-wide post", False),
+                                             ("outside", False), ("post", True), ("outside", True)])
+def test_the_reset_records_the_update_made_at_the_lr_a_scheduler_set(hook, tensor_lr):
+    """With a scheduler stepped from a step post hook (the optimizer's own or optimizer-wide), or after
+    ``step()`` as usual, the group's LR had moved on to the next step's when a refused step rebuilt the
+    last update (the schedule halves it there: the reference half the update made), and a tensor LR,
+    written in place by its scheduler, moved on with it. The LRs the update took are kept
+    (`lrs_at_update`, a copy of a tensor LR), in SPAM's state, and a bad value is refused."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=32, block_size=16, d_model=32, n_layer=2, n_head=2)
     data = MarkovData(vocab_size=32, seed=0)
-    base = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    base = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3) if tensor_lr else 3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(base, lambda k: 1.0 if k < 39 else 0.5 ** (k - 38))
-    (base.register_step_post_hook if hook == "post" else base.register_step_pre_hook)(lambda *a: sched.step())
+    handle = None
+    if hook == "optimizer-wide post":
+        handle = register_optimizer_step_post_hook(lambda o, a, k: sched.step() if o is base else None)
+    elif hook != "outside":
+        (base.register_step_post_hook if hook == "post" else base.register_step_pre_hook)(lambda *a: sched.step())
     opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, enable_spam=True, spam_lr_reduction=1.0)
+    if hook == "outside":
+        opt.register_step_post_hook(lambda *a: sched.step())  # the guard's own hook: after its step()
     layer = list(model.blocks[1].mlp.proj.parameters())
-    made, _ = _update_then_spike(opt, model, data)
+    try:
+        made, _ = _update_then_spike(opt, model, data)
+    finally:
+        if handle is not None:
+            handle.remove()
     spam = opt._features.spam
     assert opt.counters.skipped == 1
     index = {id(p): i for i, p in enumerate(model.parameters())}
     assert [spam.warm[index[id(p)]][0] for p in layer] == pytest.approx(made, rel=0.02)
     state = json.loads(json.dumps(spam.state_dict()))
-    assert state["lrs_at_update"] == [pytest.approx(base.param_groups[0]["lr"] * (2.0 if hook == "post" else 1.0))]
+    # the LR step 39 took: the schedule has moved on once since (twice with the guard's own hook, which also
+    # runs on the refused step 40; not at all from a pre hook, before step 39's update)
+    took = float(base.param_groups[0]["lr"]) * {"pre": 1.0, "outside": 4.0}.get(hook, 2.0)
+    assert state["lrs_at_update"] == [pytest.approx(took)]
     fresh = MomentumReset(base, lr_reduction=0.5, recovery_steps=10, warmup_steps=20)
     fresh.load_state_dict(state)
     assert fresh.lrs_at_update == state["lrs_at_update"]
