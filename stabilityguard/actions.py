@@ -380,8 +380,8 @@ class Containment:
         #: The LR factors of the step being taken (instability_lr's, SPAM's), in the order they were applied.
         self.lr_factors: Tuple[float, ...] = ()
         #: Every group's LR as set when the last update ran, before the factors, read by a hook when the
-        #: wrapped optimizer has step hooks of its own (an LR scheduler stepped in one moves them inside
-        #: ``step()``); ``None``: the LRs in ``param_groups`` now (:meth:`lr_taken`).
+        #: wrapped optimizer has step hooks, its own or optimizer-wide (an LR scheduler stepped in one
+        #: moves them inside ``step()``); ``None``: the LRs in ``param_groups`` now (:meth:`lr_taken`).
         self.stepped_lrs: Optional[List[Any]] = None
 
     def reindex(self, model: Optional[torch.nn.Module], index: Any, step: int) -> None:
@@ -477,7 +477,7 @@ class Containment:
             update = with_lr_factor(self.optimizer, instability, update)
         self.stepped_lrs = None
         if features.spam is not None:
-            features.spam.lrs_at_update = None  # set again by the hook if the optimizer has step hooks
+            features.spam.lrs_at_update = None  # set again below, or by the hook if the optimizer has step hooks
         handle = lr_at_step(self.optimizer, self._stepped)
         try:
             if self.config.track_update_size:  # RMS of the parameter change: read in the next transfer

@@ -108,9 +108,9 @@ class MomentumReset:
         self.since = 0  # accepted steps since then
         self.resets = 0
         self.taken = 1.0  # the LR factor the last wrapped step took
-        #: Each group's LR (before the factors) when the last update ran, read by the guard when the
-        #: optimizer has step hooks of its own (a scheduler stepped in one has moved them on since);
-        #: ``None``: the groups' LRs now are the ones it took.
+        #: Each group's LR (before the factors) when the last update ran, kept by the guard (read inside
+        #: the step when the optimizer has step hooks, else right after it: a scheduler may have moved
+        #: them on since; a tensor LR as a copy); ``None``: the groups' LRs now stand in.
         self.lrs_at_update: Optional[List[Any]] = None
         # Warm-up of the reset tensors, per tensor (by index in the optimizer's flattened parameter list):
         # [reference RMS of its pre-spike update, accepted steps since its reset, first-step factor w0 (None
