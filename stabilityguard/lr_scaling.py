@@ -38,13 +38,11 @@ from collections import OrderedDict
 from typing import Any, Callable, List, Optional
 
 import torch
-import torch.optim.optimizer as _torch_optimizer
+
+from .hooks import _global_post_hooks, _global_pre_hooks  # torch's optimizer-wide step hooks
 
 logger = logging.getLogger(__name__)
 
-# torch's registries of optimizer-wide step hooks (register_optimizer_step_pre_hook / _post_hook).
-_global_pre_hooks: Any = getattr(_torch_optimizer, "_global_optimizer_pre_hooks", {})
-_global_post_hooks: Any = getattr(_torch_optimizer, "_global_optimizer_post_hooks", {})
 _warned = False  # the factor-not-applied warning, once per process
 
 
