@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import numbers
 from collections import OrderedDict
 from typing import Any, Callable, List, Optional
 
@@ -55,6 +56,12 @@ def _hooked(optimizer: Any) -> bool:
             and bool(pre or post or _global_pre_hooks or _global_post_hooks)
             and callable(getattr(optimizer, "register_step_pre_hook", None))
             and callable(getattr(optimizer, "register_step_post_hook", None)))
+
+
+def is_number(lr: Any) -> bool:
+    """Is ``lr`` an LR the guard can scale: a real number (numpy's too) or a tensor, not a bool (and not
+    Adafactor's ``None``)?"""
+    return isinstance(lr, (numbers.Real, torch.Tensor)) and not isinstance(lr, bool)
 
 
 def snapshot(lr: Any) -> Any:
@@ -86,7 +93,7 @@ def with_lr_factor(optimizer: torch.optim.Optimizer, factor: float, step: Callab
             nonlocal applied
             saved[:] = [g.get("lr") for g in groups]
             for g, lr in zip(groups, saved):
-                if isinstance(lr, (int, float, torch.Tensor)) and not isinstance(lr, bool):
+                if is_number(lr):
                     g["lr"] = lr * factor
             applied = True
 
@@ -195,4 +202,4 @@ def lr_at_step(optimizer: Any, record: Callable[[List[Any]], None]) -> Optional[
     return _after_pre_hooks(optimizer, lambda *_: record([snapshot(g.get("lr")) for g in groups]))
 
 
-__all__ = ["lr_at_step", "snapshot", "with_lr_factor"]
+__all__ = ["is_number", "lr_at_step", "snapshot", "with_lr_factor"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,3 +306,14 @@ def test_records_of_a_tensor_lr_show_the_lr_each_update_took(where):
     assert [float(r["lr"]) for r in opt.recorder.window()] == pytest.approx(took)
     assert summaries == pytest.approx(took)
     opt.close()
+
+
+@pytest.mark.parametrize("lr", [np.float32(0.25), np.int64(1), np.float64(0.25)])
+def test_a_numpy_lr_takes_the_factor(lr):
+    """A parameter group's LR set as a numpy scalar (float32, an integer) was left unscaled: only Python
+    numbers and tensors were scaled, so the step took no factor at all."""
+    p = _param()
+    opt = torch.optim.SGD([p], lr=lr)
+    with_lr_factor(opt, 0.5, opt.step)()
+    assert p.detach().tolist() == pytest.approx([-0.5 * float(lr)] * 3)
+    assert opt.param_groups[0]["lr"] is lr

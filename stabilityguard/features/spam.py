@@ -54,7 +54,7 @@ import torch
 from ..backoff import linear_recovery
 from ..config import SPAM_SCOPES
 from ..errors import ConfigError
-from ..lr_scaling import with_lr_factor
+from ..lr_scaling import is_number, with_lr_factor
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class MomentumReset:
         """Group ``k``'s LR, before the factors, when the last update ran (:attr:`lrs_at_update`, else now)."""
         lrs = self.lrs_at_update
         lr = lrs[k] if lrs is not None and k < len(lrs) else None
-        return float(group["lr"] if lr is None or isinstance(lr, bool) else lr)
+        return float(lr if is_number(lr) else group["lr"])
 
     def _last_update(self, p: torch.Tensor, st: Dict[str, Any], group: Dict[str, Any],
                      lr_scale: float = 1.0, group_lr: Optional[float] = None) -> Optional[torch.Tensor]:
@@ -287,7 +287,7 @@ class MomentumReset:
         flattened parameter list)."""
         return {"start": self.start, "since": self.since, "resets": self.resets, "taken": self.taken,
                 "lrs_at_update": None if self.lrs_at_update is None else [
-                    float(v) if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else None
+                    float(v) if is_number(v) else None
                     for v in self.lrs_at_update],
                 "warmup": [[i, *e] for i, e in sorted(self.warm.items())]}
 
