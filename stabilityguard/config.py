@@ -103,6 +103,18 @@ class GuardConfig:
     trend bounded (at most three times its level), so one outlier does not. Measured in
     ``bench/protection.py`` (README, "Protection")."""
 
+    instability_overshoot: Optional[float] = 1.5
+    """In the first 20 accepted steps with a loss, a global gradient norm this many times every earlier
+    one of them (and, when those vary, over them by more than the square root of their spread, largest
+    over smallest), while the loss is not 5% below the mean of its first losses (up to 3), also begins an
+    instability, confirmed by that step: the optimizer overshot at the start of the run (an LR too high,
+    attention logits growing at a high LR), and the loss alone does not rise enough to say so (> 1;
+    ``None``: off). The norms compared are of the same layers (a layer's first gradient, or a parameter
+    group added, starts the comparison again). Positive losses only; these are the first steps this
+    guard sees (attached to a trained model, too). AdamW at a constant LR with no warm-up can look the
+    same at its second or third step and fires it (README, "Not there yet"). Needs what the hold needs.
+    Measured in ``bench/protection.py`` (README, "Protection")."""
+
     instability_lr: Optional[float] = 0.5
     """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor
     (times the factor still in force when an instability begins during the recovery from an earlier one,
@@ -311,6 +323,8 @@ class GuardConfig:
         _check_number("instability_clip", self.instability_clip, low=0.0, low_inclusive=False, none_ok=True)
         _check_number("instability_z", self.instability_z, low=0.0, low_inclusive=False)
         _check_number("instability_rise", self.instability_rise, low=0.0, low_inclusive=False, none_ok=True)
+        _check_number("instability_overshoot", self.instability_overshoot, low=1.0, low_inclusive=False,
+                      none_ok=True)
         _check_number("instability_lr", self.instability_lr, low=0.0, low_inclusive=False, high=1.0, none_ok=True)
         _check_int("instability_lr_recovery", self.instability_lr_recovery, low=0)
         _check_number("spike_jump", self.spike_jump, low=1.0, none_ok=True)

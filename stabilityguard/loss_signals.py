@@ -227,6 +227,12 @@ class LossTrend:
         if rise:
             self.unstable, self.ref, self.since = True, self.slow, 0
 
+    def begin(self) -> None:
+        """Begin an instability now, from the level the loss has reached (something the loss alone does not
+        show yet: ``instability_overshoot``); it ends like any other. No-op while one is under way."""
+        if not self.unstable:
+            self.unstable, self.ref, self.since = True, self.slow, 0
+
     def _known(self) -> None:
         """The ``min_count``-th loss: an instability begun by ``early_rise`` ends unless the noise rule, with
         the noise measured so far (through the instability too), would have begun it (a flat noisy loss

@@ -41,7 +41,12 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   for hundreds of steps; held at the pre-instability scale it does neither (the idea of AdaGC and ZClip,
   applied only while the loss says something is wrong). Before the trend knows the loss's noise (its
   first 20 losses), a loss EMA ``instability_rise`` (and 3 early noise units) above its reference begins
-  one too: an LR too high from the first steps drives the loss well above where the run started.
+  one too: an LR too high from the first steps drives the loss well above where the run started. So
+  does an overshoot in the run's first 20 accepted steps (``instability_overshoot``,
+  :class:`~stabilityguard.overshoot.WarmupOvershoot`): a global norm 1.5x every earlier one of the same
+  layers (and over them by more than the root of their spread) while the loss has made no progress;
+  that step's own norm and loss confirm it (or one awaiting confirmation), so it takes the LR factor at
+  once.
   The policy also gives the LR factor of each step it accepts (:attr:`GuardPolicy.lr_factor`,
   ``instability_lr`` during an instability, back to 1 over ``instability_lr_recovery`` steps after it:
   :class:`~stabilityguard.backoff.InstabilityBackoff`); the adapter applies it around the wrapped step.
@@ -107,6 +112,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .backoff import Confirmation, InstabilityBackoff
 from .detector import Decision, SpikeDetector
 from .loss_signals import LossMonitor, LossTrend
+from .overshoot import WarmupOvershoot
 
 ACCEPT, CLIP, REFUSE = "accept", "clip", "refuse"
 
@@ -180,6 +186,9 @@ class GuardPolicy:
         spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
         calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
             new level is accepted (``None``: ``level_shift_steps`` for every run).
+        instability_overshoot: In the first 20 accepted steps with a loss, a global norm this many times
+            every earlier one of the same layers (and over them by the root of their spread), with no
+            progress of the loss, begins an instability (``None``: off; > 1).
         early_clip: Before ``warmup_steps``, scale a global norm over ``spike_threshold`` x the mean of the
             steps so far back to ``outlier_ratio`` x that mean (only with ``graded``).
         coherent_share: Share of the covered layers over ``outlier_ratio`` that, with a calm loss, makes a
@@ -214,6 +223,7 @@ class GuardPolicy:
         calm_shift_steps: Optional[int] = 2,
         early_clip: bool = True,
         coherent_share: Optional[float] = 0.5,
+        instability_overshoot: Optional[float] = 1.5,
     ) -> None:
         self.spike_jump = float(spike_jump) if (graded and spike_jump is not None) else None
         self.early_clip = bool(graded and early_clip)
@@ -225,6 +235,10 @@ class GuardPolicy:
         if graded and instability_clip is not None:
             self.trend = LossTrend(enter_z=instability_z, max_steps=loss_window, early_rise=instability_rise)
         self.calm_shift_steps = int(calm_shift_steps) if (self.trend is not None and calm_shift_steps) else None
+        #: ``instability_overshoot``: a young run's step too large begins an instability (``None``: off).
+        self.overshoot: Optional[WarmupOvershoot] = None
+        if self.trend is not None and instability_overshoot is not None:
+            self.overshoot = WarmupOvershoot(instability_overshoot, steps=self.trend.min_count)
         #: ``instability_lr``'s factor, during and after loss instabilities (``None``: no trend or no factor).
         self.backoff: Optional[InstabilityBackoff] = None
         #: When an instability's factor begins (``None`` without a factor).
@@ -286,7 +300,7 @@ class GuardPolicy:
                    instability_rise=cfg.instability_rise, instability_lr=cfg.instability_lr,
                    instability_lr_recovery=cfg.instability_lr_recovery,
                    spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip,
-                   coherent_share=cfg.coherent_share)
+                   coherent_share=cfg.coherent_share, instability_overshoot=cfg.instability_overshoot)
 
     @property
     def taken_lr_factor(self) -> float:
@@ -598,9 +612,15 @@ class GuardPolicy:
                 self.trend.add(loss)
             else:
                 self.trend.tick()
+            overshot = (accepted and added and self.overshoot is not None and not self.overshoot.done
+                        and self.overshoot.observe(view[1], loss, self._overshoot_layers(view[0], values)))
+            if overshot:
+                self.trend.begin()  # no-op when one is under way (begun by this loss, or awaiting confirmation)
             if self.confirm is not None:
                 self.confirm.observe(accepted=accepted, began=self.trend.unstable and not was,
                                      unstable=self.trend.unstable, added=added)
+                if overshot:  # this accepted step's own norm and loss show it: confirmed now
+                    self.confirm.need = 0
         self.lr_factor = None  # the LR factor of the step being taken: the trend as this step's loss left it
         if accepted and self.backoff is not None:
             assert self.trend is not None and self.confirm is not None
@@ -612,6 +632,12 @@ class GuardPolicy:
                     shows, shows and self.confirm.doubt and self.trend.confirms(loss, self.confirm.CLEAR_BAR))
             self.lr_factor = self.backoff.step(unstable)
         return before
+
+    def _overshoot_layers(self, key: Optional[Tuple[int, ...]], values: Sequence[float]) -> List[str]:
+        """The layers in the global norm the overshoot rule compares (its first 20 steps only): those of the
+        global view with a positive norm (a layer without a gradient yet, or a zero one, is not in it)."""
+        names = self.detector.names
+        return [names[i] for i in (range(self.n_layers) if key is None else key) if values[i] > 0]
 
     def _provisional_levels(self, verdict: Verdict, before: List[float], values: Sequence[float],
                             present: Optional[Sequence[bool]]) -> None:
@@ -673,6 +699,7 @@ class GuardPolicy:
             "trend": self.trend.state_dict() if self.trend is not None else None,
             "backoff": self.backoff.state_dict() if self.backoff is not None else None,
             "confirm": self.confirm.state_dict() if self.confirm is not None else None,
+            "overshoot": self.overshoot.state_dict() if self.overshoot is not None else None,
             "last": None if self.last is None else {names[i]: v for i, v in enumerate(self.last)},
             "calm_refused": self.calm_refused,
             "provisional": {names[i]: {"old": {names[j]: v for j, v in old.items()}, "left": left}
@@ -727,6 +754,13 @@ class GuardPolicy:
             else:  # a checkpoint from before it (schema 1.6): an instability the backoff has not taken waits
                 # for one confirming loss, as it did then
                 self.confirm.need = int(self.trend.unstable and not self.backoff.unstable)
+        if self.overshoot is not None:
+            self.overshoot = WarmupOvershoot(self.overshoot.ratio, steps=self.overshoot.steps)
+            if state.get("overshoot") is not None:
+                self.overshoot.load_state_dict(state["overshoot"])
+            elif self.global_count or self.trend is not None and self.trend.count or any(self.detector.count):
+                # a checkpoint from before the rule, of a run that had begun: its early norms are unknown
+                self.overshoot.retire()  # so it does not look
         self.calm_refused = int(state.get("calm_refused", 0))
         pos = {n: i for i, n in enumerate(names)}
         self.provisional = {}

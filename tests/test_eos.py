@@ -193,7 +193,9 @@ def test_cpu_attention_falls_back_to_finite_differences(tmp_path):
 
 
 def test_warnings_are_telemetry_only(tmp_path):
-    # A quadratic with top curvature 3 trained by SGD at lr=1: threshold 2, ratio 1.5 at every check.
+    # A quadratic with top curvature 3 trained by SGD at lr=1: threshold 2, ratio 1.5 at every check. The
+    # run diverges (loss x4 a step), which ``instability_overshoot`` answers at step 2 by halving the LR
+    # (threshold 4: no warning at step 4); off here, so the LR, and the telemetry alone, stay as set.
     theta = torch.nn.Parameter(torch.tensor([1.0, 1.0]))
     h = torch.tensor([3.0, 0.5])
 
@@ -202,7 +204,7 @@ def test_warnings_are_telemetry_only(tmp_path):
 
     opt = GuardedOptimizer(torch.optim.SGD([theta], lr=1.0), None, log_dir=tmp_path, verbose=False,
                            warmup_steps=100, enable_edge_of_stability=True, eos_check_interval=2,
-                           eos_method="both", eos_probe=loss_fn)
+                           eos_method="both", eos_probe=loss_fn, instability_overshoot=None)
     for _ in range(6):
         loss = loss_fn()
         loss.backward()

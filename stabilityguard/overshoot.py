@@ -1,0 +1,150 @@
+"""A step too large at the start of a run (``instability_overshoot``), over plain floats.
+
+An LR too high from the first steps, or attention logits that grow at a high LR, decide a run in its
+first steps: the optimizer overshoots into a steeper region, the global gradient norm jumps above every
+norm the run has had so far, and the loss makes no progress. The loss alone rises too little to call it
+(10-30% for a few steps on ``bench/protection.py``'s tiny GPT, against the 50% of ``instability_rise``),
+and the gradient norms alone grow on clean runs too, where the model learns (3-10x in the first 20
+steps of its MLP and CNN, while their losses fall). Together they tell them apart: in its first
+``steps`` accepted steps, a global norm over ``ratio`` times every earlier one of them, while the loss
+is not :attr:`WarmupOvershoot.PROGRESS` below its start, is an overshoot; the guard then begins a loss
+instability (the LR factor and the hold, as for a rise of the loss).
+
+When the early norms already vary a lot from step to step (an MLP on a plateau: 10x), a new high is
+ordinary: the jump must then also exceed the square root of their spread (largest over smallest). The
+loss's start is the mean of the earlier steps' first :attr:`WarmupOvershoot.START` losses (of the first
+two at the third step); positive losses only (the progress is a fraction of the start).
+
+The norms compared must be of the same layers: a layer that joins (its first gradient, a parameter
+group added, another sub-graph) raises the global norm without any overshoot. The caller names the
+step's layers (``layers``); when they differ from the last step's, the earlier norms are forgotten and
+the step starts the comparison again (:attr:`WarmupOvershoot.MIN_SEEN` norms of the new set first).
+
+Example:
+    >>> o = WarmupOvershoot(ratio=1.5)
+    >>> [o.observe(n, 4.1) for n in (1.5, 1.1, 3.4)]  # the norm jumps, the loss is where it started
+    [False, False, True]
+    >>> o = WarmupOvershoot(ratio=1.5)
+    >>> [o.observe(n, loss) for n, loss in ((1.5, 4.1), (1.1, 3.8), (3.4, 3.5))]  # the loss is falling
+    [False, False, False]
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["WarmupOvershoot"]
+
+
+class WarmupOvershoot:
+    """Is this young run's step an overshoot (see the module doc)?
+
+    Args:
+        ratio: A global norm this many times every earlier one (> 1, finite) is a jump.
+        steps: Accepted steps with a loss, from the run's first, in which the rule looks (20: the loss
+            trend's ``min_count``, after which its noise rule sees a rise).
+
+    Raises:
+        ValueError: ``ratio`` is not a finite number over 1, or ``steps`` not a positive integer.
+    """
+
+    #: The loss must not be this fraction of its start below it (it has made no progress).
+    PROGRESS = 0.05
+    #: The start is the mean of the first this many losses (of those there are, before the third step).
+    START = 3
+    #: A jump needs at least this many earlier norms of the same layers (the first two set the scale).
+    MIN_SEEN = 2
+
+    def __init__(self, ratio: float, steps: int = 20) -> None:
+        if not _finite(ratio) or not ratio > 1:
+            raise ValueError(f"overshoot ratio (instability_overshoot) must be a finite number > 1; got {ratio!r}")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(f"overshoot steps must be an integer >= 1; got {steps!r}")
+        self.ratio, self.steps = float(ratio), int(steps)
+        self.count = 0  # accepted steps observed (with a finite loss and a positive finite norm)
+        self.seen = 0  # of them, since the layer set last changed: the norms high and low describe
+        self.high = 0.0  # the largest and smallest of those norms
+        self.low = math.inf
+        self.layers: Optional[Tuple[str, ...]] = None  # the layers of the last step observed
+        self.start: List[float] = []  # their first START losses
+
+    @property
+    def done(self) -> bool:
+        """Past the run's first ``steps`` observed steps: the rule no longer looks."""
+        return self.count >= self.steps
+
+    def observe(self, global_norm: float, loss: float, layers: Optional[Sequence[str]] = None) -> bool:
+        """One accepted step's global norm (pre-clip), loss and, optionally, the names of the layers in that
+        norm; ``True`` when it overshoots. A step whose norm is not positive and finite, or whose loss is not
+        finite, is left out (it counts neither way); one whose layers differ from the last step's starts the
+        comparison again (it is not a jump)."""
+        if self.done or not (global_norm > 0 and math.isfinite(global_norm)) or not math.isfinite(loss):
+            return False
+        key = None if layers is None else tuple(layers)
+        if key != self.layers and self.count:
+            self.seen, self.high, self.low = 0, 0.0, math.inf
+        self.layers = key
+        hit = False
+        if self.seen >= self.MIN_SEEN:
+            level = sum(self.start) / len(self.start)
+            bar = self.high * max(self.ratio, math.sqrt(self.high / self.low))
+            hit = level > 0 and global_norm >= bar and loss >= (1.0 - self.PROGRESS) * level
+        self.count += 1
+        self.seen += 1
+        self.high, self.low = max(self.high, global_norm), min(self.low, global_norm)
+        if len(self.start) < self.START:
+            self.start.append(float(loss))
+        return hit
+
+    def retire(self) -> None:
+        """Stop looking, without the norms seen (a checkpoint from before the rule, of a run that had begun)."""
+        self.count, self.seen, self.high, self.low = max(self.count, self.steps), 0, 0.0, math.inf
+        self.layers, self.start = None, []
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """JSON-native: the counts, the norms' extremes (``None`` before any, or retired), the last step's
+        layers (``None``: not named) and the start losses."""
+        known = bool(self.start)
+        return {"count": self.count, "seen": self.seen, "high": self.high if known else None,
+                "low": self.low if known else None, "layers": None if self.layers is None else list(self.layers),
+                "start": list(self.start)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
+        if not isinstance(state, dict):
+            raise ValueError(f"overshoot state must be a dict; got {type(state).__name__}")
+        count = state.get("count", 0)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"overshoot count must be an integer >= 0; got {count!r}")
+        seen = state.get("seen", count)
+        if isinstance(seen, bool) or not isinstance(seen, numbers.Integral) or not 0 <= seen <= count:
+            raise ValueError(f"overshoot seen must be an integer in [0, count={int(count)}]; got {seen!r}")
+        start = state.get("start", [])
+        if not isinstance(start, (list, tuple)) or len(start) > self.START or not all(_finite(v) for v in start):
+            raise ValueError(f"overshoot start must be a list of at most {self.START} finite losses; got {start!r}")
+        retired = not start and count >= self.steps  # it no longer looks: no norms needed
+        if not retired and len(start) != min(int(count), self.START):
+            raise ValueError(f"overshoot start must hold the first min(count, {self.START}) losses; got "
+                             f"{len(start)} with count={int(count)}")
+        layers = state.get("layers")
+        if layers is not None and (not isinstance(layers, (list, tuple))
+                                   or not all(isinstance(x, str) for x in layers)):
+            raise ValueError(f"overshoot layers must be a list of layer names or None; got {layers!r}")
+        high, low = state.get("high"), state.get("low")
+        if start and seen:
+            for name, v in (("high", high), ("low", low)):
+                if not _finite(v) or not v > 0:
+                    raise ValueError(f"overshoot {name} must be a positive finite number; got {v!r}")
+            if low > high:
+                raise ValueError(f"overshoot low must be <= high; got low={low!r}, high={high!r}")
+        self.count, self.seen = int(count), int(seen) if start else 0
+        self.high, self.low = (float(high), float(low)) if start and seen else (0.0, math.inf)
+        self.layers = None if layers is None else tuple(layers)
+        self.start = [float(v) for v in start]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,356 @@
+"""``instability_overshoot``: a young run's global norm jumping over every earlier one while the loss makes
+no progress begins a loss instability (stabilityguard/overshoot.py), with its state resumed bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from stabilityguard import GuardConfig, GuardedOptimizer
+from stabilityguard.errors import ConfigError
+from stabilityguard.overshoot import WarmupOvershoot
+from stabilityguard.policy import REFUSE, GuardPolicy
+from stabilityguard.testing import MarkovData, scale_grad
+
+from .conftest import BATCH, SEQ, VOCAB, make_model
+
+
+def _hits(o: WarmupOvershoot, steps):
+    return [o.observe(n, loss) for n, loss in steps]
+
+
+# ----------------------------------------------------------------------------- the rule over floats
+def test_a_jump_with_no_progress_is_an_overshoot():
+    o = WarmupOvershoot(ratio=1.5)
+    # the tiny GPT with a too-high LR (bench/protection.py, seed 0): 1.55, 1.12, then 3.43 at a loss of 3.95
+    assert _hits(o, [(1.55, 4.17), (1.12, 3.99), (3.43, 3.95)]) == [False, False, True]
+
+
+def test_no_overshoot_while_the_loss_falls_or_the_jump_is_small():
+    falling = WarmupOvershoot(ratio=1.5)  # the norm triples, but the loss is 10% below its start
+    assert not any(_hits(falling, [(1.0, 4.0), (1.0, 3.9), (3.0, 3.55)]))
+    small = WarmupOvershoot(ratio=1.5)  # the loss is flat, the norm a new high by 1.4x only
+    assert not any(_hits(small, [(1.0, 4.0), (1.0, 4.0), (1.4, 4.0)]))
+    first = WarmupOvershoot(ratio=1.5)  # the second step has one earlier norm only: it sets the scale
+    assert not any(_hits(first, [(1.0, 4.0), (5.0, 4.0)]))
+
+
+def test_noisy_early_norms_need_a_jump_beyond_their_spread():
+    """An MLP on a plateau: its first norms vary 10x with a flat loss; a new high by 1.5x is ordinary there."""
+    o = WarmupOvershoot(ratio=1.5)
+    # spread 0.178 / 0.0431 = 4.1: a jump must be over sqrt(4.1) = 2.03 x the largest, 0.36
+    assert not any(_hits(o, [(0.0558, 0.784), (0.178, 0.774), (0.0431, 0.818), (0.278, 0.823)]))
+    assert o.observe(0.75, 0.82)  # now over sqrt(0.278 / 0.0431) = 2.54 x 0.278, 0.71
+
+
+def test_only_the_first_steps_and_finite_values_count():
+    o = WarmupOvershoot(ratio=1.5, steps=4)
+    for bad in [(math.nan, 4.0), (math.inf, 4.0), (0.0, 4.0), (-1.0, 4.0), (1.0, math.nan), (1.0, -math.inf)]:
+        assert not o.observe(*bad)
+    assert o.count == 0  # left out: they count neither way
+    assert not any(_hits(o, [(1.0, 4.0)] * 4))
+    assert o.done and not o.observe(100.0, 4.0)  # past its steps it no longer looks
+
+
+def test_a_joining_layer_is_not_a_jump_and_the_comparison_starts_again():
+    """A layer's first gradient (or a parameter group added) raises the global norm with no overshoot: the
+    norms compared are of one set of layers."""
+    o = WarmupOvershoot(ratio=1.5)
+    assert not any([o.observe(1.0, 4.0, ["a"]), o.observe(1.0, 4.0, ["a"])])
+    assert not o.observe(3.0, 4.0, ["a", "b"])  # "b" joins: x3, but of another set
+    assert o.seen == 1 and o.high == o.low == 3.0 and o.count == 3
+    assert not o.observe(3.1, 4.0, ["a", "b"])  # the new set's second norm sets its scale
+    assert o.observe(6.0, 4.0, ["a", "b"])  # now a jump over both of them
+    unnamed = WarmupOvershoot(ratio=1.5)  # without names, every step is of one set
+    assert _hits(unnamed, [(1.0, 4.0), (1.0, 4.0), (3.0, 4.0)]) == [False, False, True]
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, math.nan, math.inf, "2", None, True])
+def test_the_rule_refuses_a_ratio_that_is_not_over_1(ratio):
+    with pytest.raises(ValueError, match=r"overshoot ratio \(instability_overshoot\) must be a finite number > 1"):
+        WarmupOvershoot(ratio=ratio)
+
+
+@pytest.mark.parametrize("sigma, budget", [(0.1, 1), (0.2, 8), (0.3, 37), (0.5, 67)])
+def test_false_alarms_on_a_flat_loss_with_noisy_norms(sigma, budget):
+    """A loss that makes no progress (a trained model the guard was attached to) with i.i.d. lognormal global
+    norms: the seeds of 200 with an overshoot in their 20 steps (measured, bench-free; README says so). The
+    rule cannot tell a noisy early norm from a jump with two or three norms seen: its false alarms grow with
+    the noise."""
+    alarms = 0
+    for seed in range(200):
+        rng, o = random.Random(seed), WarmupOvershoot(ratio=1.5)
+        alarms += any(o.observe(math.exp(rng.gauss(0.0, sigma)), 4.0 + 0.05 * rng.gauss(0.0, 1.0)) for _ in range(20))
+    assert alarms <= budget
+
+
+@pytest.mark.parametrize("start", [0.0, -2.0])
+def test_a_loss_that_does_not_start_positive_never_overshoots(start):
+    o = WarmupOvershoot(ratio=1.5)
+    assert not any(_hits(o, [(1.0, start), (1.0, start), (10.0, start)]))
+
+
+# ----------------------------------------------------------------------------- state
+def test_state_round_trip_continues_like_an_uninterrupted_rule():
+    ab, abc = ["a", "b"], ["a", "b", "c"]
+    steps = [(1.4, 4.2, ab), (1.1, 4.1, ab), (1.2, 4.0, ab), (1.3, 4.1, ab), (2.5, 4.05, ab), (1.0, 3.0, ab),
+             (6.0, 4.2, ab), (9.0, 4.2, abc), (9.5, 4.2, abc), (20.0, 4.2, abc)]
+
+    def hits(o, part):
+        return [o.observe(*step) for step in part]
+
+    whole = WarmupOvershoot(ratio=1.5)
+    ref = hits(whole, steps)
+    assert ref == [False, False, False, False, True, False, True, False, False, True]
+    for cut in range(len(steps) + 1):
+        a = WarmupOvershoot(ratio=1.5)
+        head = hits(a, steps[:cut])
+        b = WarmupOvershoot(ratio=1.5)
+        b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        assert head + hits(b, steps[cut:]) == ref, cut
+        assert b.state_dict() == whole.state_dict()
+
+
+def test_a_retired_rule_round_trips_and_stays_retired():
+    o = WarmupOvershoot(ratio=1.5)
+    o.retire()
+    p = WarmupOvershoot(ratio=1.5)
+    p.load_state_dict(json.loads(json.dumps(o.state_dict())))
+    assert p.done and not p.observe(100.0, 4.0)
+
+
+@pytest.mark.parametrize("state, match", [
+    ([], r"overshoot state must be a dict; got list"),
+    ({"count": -1}, r"overshoot count must be an integer >= 0; got -1"),
+    ({"count": True}, r"overshoot count must be an integer >= 0; got True"),
+    ({"count": 1.5}, r"overshoot count must be an integer >= 0; got 1.5"),
+    ({"count": 2, "start": [4.0, "x"], "high": 1.0, "low": 1.0}, r"overshoot start must be a list"),
+    ({"count": 2, "start": [4.0, math.nan], "high": 1.0, "low": 1.0}, r"overshoot start must be a list"),
+    ({"count": 5, "start": [1.0, 2.0, 3.0, 4.0], "high": 1.0, "low": 1.0}, r"at most 3 finite losses"),
+    ({"count": 5, "start": [4.0], "high": 1.0, "low": 1.0}, r"start must hold the first min\(count, 3\)"),
+    ({"count": 2, "start": [4.0, 4.0], "high": None, "low": 1.0}, r"overshoot high must be a positive"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 0.0}, r"overshoot low must be a positive"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 2.0}, r"overshoot low must be <= high"),
+    ({"count": 2, "seen": 3, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in \[0, count=2\]"),
+    ({"count": 2, "seen": -1, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
+    ({"count": 2, "seen": 1.0, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": "ab"}, r"layers must be a list of layer"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": [1, 2]}, r"layers must be a list of layer"),
+])
+def test_bad_states_are_refused_naming_the_field(state, match):
+    o = WarmupOvershoot(ratio=1.5)
+    with pytest.raises(ValueError, match=match):
+        o.load_state_dict(state)
+    assert o.count == 0 and o.start == [] and o.layers is None  # nothing half-loaded
+
+
+def test_numpy_and_tensor_values_in_a_state_load_as_floats():
+    np = pytest.importorskip("numpy")
+    o = WarmupOvershoot(ratio=1.5)
+    o.load_state_dict({"count": np.int64(2), "start": [np.float32(4.0), np.float64(4.1)],
+                       "high": np.float64(1.5), "low": np.float32(1.0)})
+    assert type(o.count) is int and all(type(v) is float for v in [o.high, o.low, *o.start])
+    assert o.observe(3.0, 4.0)
+
+
+# ----------------------------------------------------------------------------- the policy
+def _policy(**kw):
+    return GuardPolicy(["a", "b"], 2, [0, 1], spike_threshold=10.0, ema_alpha=0.1, warmup_steps=10, **kw)
+
+
+def _run(pol, norms, loss=4.0):
+    """Accept each step's two layer norms (global = their root sum of squares); the LR factor of each."""
+    out = []
+    for a, b in norms:
+        g = math.hypot(a, b)
+        verdict = pol.decide([a, b], None, g, loss)
+        pol.commit(verdict, [a, b], None, loss, g)
+        out.append(pol.lr_factor)
+    return out
+
+
+def test_the_policy_begins_a_confirmed_instability_at_the_overshoot():
+    pol = _policy()
+    factors = _run(pol, [(1.0, 1.0), (0.9, 0.9), (3.0, 3.0), (1.0, 1.0)])
+    assert factors[:2] == [None, None]
+    assert factors[2] == 0.5  # the overshooting step takes the factor itself: its norm and loss show it
+    assert pol.overshoot is not None and pol.overshoot.count == 4
+    assert factors[3] is not None and factors[3] < 1.0  # and the steps after it, back over the recovery
+
+
+@pytest.mark.parametrize("kw", [{"instability_overshoot": None}, {"graded": False}, {"instability_clip": None}])
+def test_off_the_same_steps_take_no_factor(kw):
+    pol = _policy(**kw)
+    assert _run(pol, [(1.0, 1.0), (0.9, 0.9), (3.0, 3.0), (1.0, 1.0)]) == [None] * 4
+    assert pol.overshoot is None
+
+
+def test_a_refused_step_is_not_observed():
+    """A refused step's norms describe a gradient that was never applied: the rule leaves it out."""
+    pol = _policy()
+    _run(pol, [(1.0, 1.0), (0.9, 0.9)])
+    g = math.hypot(3.0, 3.0)
+    verdict = dataclasses.replace(pol.decide([3.0, 3.0], None, g, 4.0), kind=REFUSE)
+    pol.commit(verdict, [3.0, 3.0], None, 4.0, g)
+    assert pol.overshoot is not None and pol.overshoot.count == 2 and pol.overshoot.high == math.hypot(1.0, 1.0)
+    assert pol.lr_factor is None and not pol.unstable
+
+
+@pytest.mark.parametrize("absent", ["mask", "zero"])
+def test_a_layer_whose_first_gradient_comes_late_is_not_an_overshoot(absent):
+    """Layer "b" has no gradient in the first two steps (a branch not yet used: absent from ``present``, or,
+    on a path without a mask, a norm of 0), then joins with a norm three times "a"'s: the global norm
+    jumps x3.2 on a flat loss, with no overshoot."""
+    pol = _policy()
+    factors = []
+    for a, b in [(1.0, 0.0), (0.9, 0.0), (1.0, 3.0), (1.0, 3.0), (0.9, 3.1)]:
+        present = ([True, b > 0] if absent == "mask" else None)
+        g = math.hypot(a, b)
+        verdict = pol.decide([a, b], present, g, 4.0)
+        pol.commit(verdict, [a, b], present, 4.0, g)
+        factors.append(pol.lr_factor)
+    assert factors == [None] * 5 and not pol.unstable
+    assert pol.overshoot is not None and pol.overshoot.layers == ("a", "b") and pol.overshoot.seen == 3
+
+
+def test_an_overshoot_confirms_an_instability_that_awaits_confirmation():
+    """A refused bad batch's loss begins an instability that waits for two confirming losses (it may be of
+    that batch alone); an overshoot on the next accepted step shows it with its own norm and loss."""
+    def awaiting():
+        pol = _policy()
+        _run(pol, [(1.0, 1.0), (0.9, 0.9), (1.0, 1.0), (0.9, 0.9)])
+        for _ in range(3):  # three bad batches, refused: their losses (bounded at 3x the level) begin it
+            g = math.hypot(1.0, 1.0)
+            verdict = dataclasses.replace(pol.decide([1.0, 1.0], None, g, 400.0), kind=REFUSE)
+            pol.commit(verdict, [1.0, 1.0], None, 400.0, g)
+        assert pol.unstable and pol.confirm is not None and pol.confirm.need == 2
+        return pol
+
+    assert _run(awaiting(), [(3.0, 3.0)]) == [0.5]
+    quiet = awaiting()  # the same without the jump: the flat loss does not confirm it, no factor yet
+    assert _run(quiet, [(1.0, 1.0)]) == [None] and quiet.confirm is not None and quiet.confirm.need == 2
+
+
+def test_a_checkpoint_from_before_the_rule_retires_it_unless_the_run_had_not_begun():
+    pol = _policy()
+    _run(pol, [(1.0, 1.0)] * 3)
+    old = pol.state_dict()
+    del old["overshoot"]
+    later = _policy()
+    later.load_state_dict(old)
+    assert later.overshoot is not None and later.overshoot.done  # its early norms are unknown
+    no_trend = dict(old, trend=None)  # nor the loss trend's: the norms' count and baselines say it had begun
+    later = _policy()
+    later.load_state_dict(no_trend)
+    assert later.overshoot is not None and later.overshoot.done
+    fresh = _policy()
+    state = _policy().state_dict()
+    del state["overshoot"]
+    fresh.load_state_dict(state)
+    assert fresh.overshoot is not None and not fresh.overshoot.done and fresh.overshoot.count == 0
+
+
+# ----------------------------------------------------------------------------- the setting
+@pytest.mark.parametrize("value, shown", [(1.0, "1.0"), (0.5, "0.5"), (math.nan, "nan"), ("1.5", "'1.5'"),
+                                          ([1.5], r"\[1.5\]"), (True, "True")])
+def test_bad_settings_are_refused_at_construction(value, shown):
+    with pytest.raises(ConfigError, match=rf"instability_overshoot must be a finite number > 1 or None; got {shown}"):
+        GuardConfig(log_dir=None, verbose=False, instability_overshoot=value)
+
+
+def test_numpy_and_tensor_settings_are_stored_as_floats():
+    np = pytest.importorskip("numpy")
+    for value, kind in ((np.float32(2.0), float), (np.int64(2), int), (torch.tensor(2.0), float)):
+        cfg = GuardConfig(log_dir=None, verbose=False, instability_overshoot=value)
+        assert type(cfg.instability_overshoot) is kind and cfg.instability_overshoot == 2.0
+    assert GuardConfig(log_dir=None, verbose=False, instability_overshoot=None).instability_overshoot is None
+
+
+# ----------------------------------------------------------------------------- the guard, resumed
+STEPS, JUMP = 24, 8
+
+
+def _build(**cfg):
+    model = make_model(0)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-5)  # the loss stays where it started
+    return model, GuardedOptimizer(base, model, log_dir=None, verbose=False, **cfg)
+
+
+def _train(model, opt, batches, start, stop, factors):
+    for step in range(start, stop):
+        x, y = batches[step]
+        loss = model.loss(x, y)
+        loss.backward()
+        if step == JUMP:
+            scale_grad(model, 4.0)  # every layer's gradient x4: a global norm over every earlier one
+        opt.step(loss=loss)
+        factors.append(opt._policy.lr_factor)
+        opt.zero_grad()
+
+
+def test_a_parameter_group_added_in_the_first_steps_is_not_an_overshoot():
+    """The head's parameters join after two steps (``add_param_group``, LR 1e-6: the loss stays flat): the
+    global norm jumps as their layers join, and no instability begins."""
+    model = make_model(0)
+    head = [p for n, p in model.named_parameters() if n.startswith("head") or n.startswith("lm_head")]
+    assert head, [n for n, _ in model.named_parameters()]
+    body = [p for p in model.parameters() if all(p is not q for q in head)]
+    opt = GuardedOptimizer(torch.optim.AdamW(body, lr=1e-6), model, log_dir=None, verbose=False)
+    data = MarkovData(vocab_size=VOCAB, seed=0)
+    factors, norms = [], []
+    for step in range(12):
+        if step == 2:
+            opt.add_param_group({"params": head, "lr": 1e-6})
+        x, y = data.batch(BATCH, SEQ)
+        loss = model.loss(x, y)
+        loss.backward()
+        norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for g in opt.param_groups for p in g["params"])))
+        opt.step(loss=loss)
+        factors.append(opt._policy.lr_factor)
+        opt.zero_grad()
+    assert norms[2] > 1.5 * max(norms[:2])  # the jump the rule would otherwise take for an overshoot
+    assert factors == [None] * 12 and not opt._policy.unstable
+    opt.close()
+
+
+def test_the_guard_halves_the_lr_at_the_overshoot_and_a_resume_equals_an_uninterrupted_run():
+    data = MarkovData(vocab_size=VOCAB, seed=0)
+    batches = [data.batch(BATCH, SEQ) for _ in range(STEPS)]
+    model, opt = _build()
+    ref_factors: list = []
+    _train(model, opt, batches, 0, STEPS, ref_factors)
+    assert ref_factors[:JUMP] == [None] * JUMP and ref_factors[JUMP] == 0.5
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_policy = opt.state_dict()["stabilityguard"]["policy"]
+    opt.close()
+
+    off_model, off = _build(instability_overshoot=None)
+    off_factors: list = []
+    _train(off_model, off, batches, 0, STEPS, off_factors)
+    assert off_factors == [None] * STEPS  # the same run without the rule takes no factor
+    off.close()
+
+    for cut in (JUMP - 3, JUMP + 2):  # before the jump (the rule's norms and losses carry it), and after
+        model, opt = _build()
+        factors: list = []
+        _train(model, opt, batches, 0, cut, factors)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        opt.close()
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=False)
+        model, opt = _build()
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        _train(model, opt, batches, cut, STEPS, factors)
+        assert factors == ref_factors, cut
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, ref[k]), (cut, k)
+        assert opt.state_dict()["stabilityguard"]["policy"] == ref_policy
+        opt.close()
