@@ -19,11 +19,13 @@ How the factor moves (the shape of SPAM's LR backoff, :mod:`stabilityguard.featu
 Why it does not return at once: an LR too high, or a jump of the LR, is still there when the loss has
 come back down; restored in one step, the next instability follows (measured in
 ``bench/protection.py``, README "Protection"). A false alarm costs at most ``recovery_steps`` steps at a
-lower LR, and a clean run whose loss never rises is not touched.
+lower LR, and a clean run whose loss never rises is touched only when ``instability_overshoot`` takes its
+start for an overshoot (AdamW with no warm-up can look like one: README, "Not there yet").
 
 When the factor begins is :class:`Confirmation`'s to say: at the first accepted step whose own loss shows
 the instability, or, when refused losses may have begun it, the second in a row or one that shows it by
-:attr:`Confirmation.CLEAR_BAR` times the margin.
+:attr:`Confirmation.CLEAR_BAR` times the margin; an overshooting step (``instability_overshoot``)
+confirms it with its own norm and loss.
 
 Example:
     >>> b = InstabilityBackoff(0.5, recovery_steps=4)

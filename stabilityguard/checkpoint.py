@@ -283,3 +283,6 @@ class GuardCheckpoint:
             return
         logger.info("stabilityguard: checkpoint has no guard state; baselines warm up again")
         self._containment.restart(self.counters.steps)
+        overshoot = self._policy.overshoot
+        if overshoot is not None and any(self.base_optimizer.state.values()):
+            overshoot.retire()  # a run resumed, not one starting: its first steps were not these

@@ -109,11 +109,14 @@ class GuardConfig:
     over smallest), while the loss is not 5% below the mean of its first losses (up to 3), also begins an
     instability, confirmed by that step: the optimizer overshot at the start of the run (an LR too high,
     attention logits growing at a high LR), and the loss alone does not rise enough to say so (> 1;
-    ``None``: off). The norms compared are of the same layers (a layer's first gradient, or a parameter
-    group added, starts the comparison again). Positive losses only; these are the first steps this
-    guard sees (attached to a trained model, too). AdamW at a constant LR with no warm-up can look the
-    same at its second or third step and fires it (README, "Not there yet"). Needs what the hold needs.
-    Measured in ``bench/protection.py`` (README, "Protection")."""
+    ``None``: off). The norms compared are of the same parameters (a parameter's first gradient, a
+    parameter group added or a parameter unfrozen starts the comparison again). Positive losses only;
+    these are the first steps this guard sees (attached to a trained model, too); a guard checkpoint
+    carries its state (a resume goes on where it stopped), while one from before it, or the wrapped
+    optimizer's own checkpoint with state (a run resumed, not starting), turns it off. AdamW at a
+    constant LR with no warm-up can look the same at its second or third step and fires it (README,
+    "Not there yet"). Needs what the hold needs. Measured in ``bench/protection.py`` (README,
+    "Protection")."""
 
     instability_lr: Optional[float] = 0.5
     """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor
@@ -124,7 +127,8 @@ class GuardConfig:
     rise by ``instability_rise``'s measure (the losses of a run of refused bad batches begin one too:
     one begun while a refused step's loss is among the trend's last 10 needs two such losses in a row,
     or one twice as far up, so the ordinary losses after bad batches leave the LR alone; a step without
-    a loss does not confirm). Not in ``monitor`` mode. Needs what the hold
+    a loss does not confirm), or at an overshooting step (``instability_overshoot``). Not in ``monitor``
+    mode. Needs what the hold
     needs (``graded_response``, ``instability_clip`` on, a loss). Measured in ``bench/protection.py``
     (README, "Protection")."""
 

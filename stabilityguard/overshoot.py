@@ -15,10 +15,13 @@ ordinary: the jump must then also exceed the square root of their spread (larges
 loss's start is the mean of the earlier steps' first :attr:`WarmupOvershoot.START` losses (of the first
 two at the third step); positive losses only (the progress is a fraction of the start).
 
-The norms compared must be of the same layers: a layer that joins (its first gradient, a parameter
-group added, another sub-graph) raises the global norm without any overshoot. The caller names the
-step's layers (``layers``); when they differ from the last step's, the earlier norms are forgotten and
-the step starts the comparison again (:attr:`WarmupOvershoot.MIN_SEEN` norms of the new set first).
+The norms compared must be of the same tensors: one that joins (its first gradient, a parameter group
+added, a parameter unfrozen, another sub-graph) raises the global norm without any overshoot. The
+caller names what the step's norm is made of (``layers``: the guard passes the parameters with a
+gradient); when that differs from the last step's, the earlier norms are forgotten and the step starts
+the comparison again (:attr:`WarmupOvershoot.MIN_SEEN` norms of the new set first). So a set that
+changes from step to step (a branch used on alternate steps) keeps the rule from ever comparing, and
+one that changes now and then leaves it comparing against only a few norms (more false alarms).
 
 Example:
     >>> o = WarmupOvershoot(ratio=1.5)
@@ -54,10 +57,11 @@ class WarmupOvershoot:
     PROGRESS = 0.05
     #: The start is the mean of the first this many losses (of those there are, before the third step).
     START = 3
-    #: A jump needs at least this many earlier norms of the same layers (the first two set the scale).
+    #: A jump needs at least this many earlier norms of the same set (the first two set the scale).
     MIN_SEEN = 2
 
     def __init__(self, ratio: float, steps: int = 20) -> None:
+        ratio = _scalar(ratio)
         if not _finite(ratio) or not ratio > 1:
             raise ValueError(f"overshoot ratio (instability_overshoot) must be a finite number > 1; got {ratio!r}")
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
@@ -67,7 +71,7 @@ class WarmupOvershoot:
         self.seen = 0  # of them, since the layer set last changed: the norms high and low describe
         self.high = 0.0  # the largest and smallest of those norms
         self.low = math.inf
-        self.layers: Optional[Tuple[str, ...]] = None  # the layers of the last step observed
+        self.layers: Optional[Tuple[str, ...]] = None  # what the last observed step's norm was made of
         self.start: List[float] = []  # their first START losses
 
     @property
@@ -116,16 +120,20 @@ class WarmupOvershoot:
         """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
         if not isinstance(state, dict):
             raise ValueError(f"overshoot state must be a dict; got {type(state).__name__}")
+        state = {k: _scalar(v) for k, v in state.items()}
+        if isinstance(state.get("start"), (list, tuple)):
+            state["start"] = [_scalar(v) for v in state["start"]]
         count = state.get("count", 0)
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"overshoot count must be an integer >= 0; got {count!r}")
-        seen = state.get("seen", count)
-        if isinstance(seen, bool) or not isinstance(seen, numbers.Integral) or not 0 <= seen <= count:
-            raise ValueError(f"overshoot seen must be an integer in [0, count={int(count)}]; got {seen!r}")
         start = state.get("start", [])
         if not isinstance(start, (list, tuple)) or len(start) > self.START or not all(_finite(v) for v in start):
             raise ValueError(f"overshoot start must be a list of at most {self.START} finite losses; got {start!r}")
         retired = not start and count >= self.steps  # it no longer looks: no norms needed
+        seen = state.get("seen", count)
+        low_seen = 0 if retired or not count else 1  # every observed step is one of its set's
+        if isinstance(seen, bool) or not isinstance(seen, numbers.Integral) or not low_seen <= seen <= count:
+            raise ValueError(f"overshoot seen must be an integer in [{low_seen}, count={int(count)}]; got {seen!r}")
         if not retired and len(start) != min(int(count), self.START):
             raise ValueError(f"overshoot start must hold the first min(count, {self.START}) losses; got "
                              f"{len(start)} with count={int(count)}")
@@ -134,17 +142,29 @@ class WarmupOvershoot:
                                    or not all(isinstance(x, str) for x in layers)):
             raise ValueError(f"overshoot layers must be a list of layer names or None; got {layers!r}")
         high, low = state.get("high"), state.get("low")
-        if start and seen:
+        if start:
             for name, v in (("high", high), ("low", low)):
                 if not _finite(v) or not v > 0:
                     raise ValueError(f"overshoot {name} must be a positive finite number; got {v!r}")
             if low > high:
                 raise ValueError(f"overshoot low must be <= high; got low={low!r}, high={high!r}")
         self.count, self.seen = int(count), int(seen) if start else 0
-        self.high, self.low = (float(high), float(low)) if start and seen else (0.0, math.inf)
+        self.high, self.low = (float(high), float(low)) if start else (0.0, math.inf)
         self.layers = None if layers is None else tuple(layers)
         self.start = [float(v) for v in start]
 
 
+def _scalar(v: Any) -> Any:
+    """A 0-d numpy or torch scalar as a Python number (anything else as it is)."""
+    if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
+        return v.item()
+    return v
+
+
 def _finite(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False

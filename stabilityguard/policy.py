@@ -634,10 +634,17 @@ class GuardPolicy:
         return before
 
     def _overshoot_layers(self, key: Optional[Tuple[int, ...]], values: Sequence[float]) -> List[str]:
-        """The layers in the global norm the overshoot rule compares (its first 20 steps only): those of the
-        global view with a positive norm (a layer without a gradient yet, or a zero one, is not in it)."""
-        names = self.detector.names
-        return [names[i] for i in (range(self.n_layers) if key is None else key) if values[i] > 0]
+        """What the global norm the overshoot rule compares is made of (its first 20 steps only): the
+        parameters of the global view's layers with a positive norm (one without a gradient yet, or a zero
+        one, is not in it: a parameter that joins a layer already there changes the set too); the layers
+        themselves when the policy has no parameter series."""
+        det, n = self.detector, self.n_layers
+        names = det.names
+        if len(names) == n:
+            return [names[i] for i in (range(n) if key is None else key) if values[i] > 0]
+        layers = None if key is None else set(key)
+        return [names[s] for s in range(n, len(names))
+                if values[s] > 0 and (layers is None or det.group[s] in layers)]
 
     def _provisional_levels(self, verdict: Verdict, before: List[float], values: Sequence[float],
                             present: Optional[Sequence[bool]]) -> None:

@@ -71,10 +71,22 @@ def test_a_joining_layer_is_not_a_jump_and_the_comparison_starts_again():
     assert _hits(unnamed, [(1.0, 4.0), (1.0, 4.0), (3.0, 4.0)]) == [False, False, True]
 
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5, math.nan, math.inf, "2", None, True])
+@pytest.mark.parametrize("ratio", [1.0, 0.5, math.nan, math.inf, "2", None, True, 10**400])
 def test_the_rule_refuses_a_ratio_that_is_not_over_1(ratio):
     with pytest.raises(ValueError, match=r"overshoot ratio \(instability_overshoot\) must be a finite number > 1"):
         WarmupOvershoot(ratio=ratio)
+
+
+def test_the_rule_takes_numpy_and_tensor_ratios_and_state_values():
+    np = pytest.importorskip("numpy")
+    for ratio in (np.float32(1.5), torch.tensor(1.5)):
+        assert WarmupOvershoot(ratio=ratio).ratio == 1.5
+    o = WarmupOvershoot(ratio=1.5)
+    o.load_state_dict({"count": torch.tensor(2), "seen": torch.tensor(2), "start": [torch.tensor(4.0), 4.1],
+                       "high": torch.tensor(1.5), "low": np.float64(1.0), "layers": ["a"]})
+    assert type(o.count) is int and type(o.seen) is int and all(type(v) is float for v in [o.high, o.low, *o.start])
+    assert json.loads(json.dumps(o.state_dict())) == o.state_dict()
+    assert o.observe(3.0, 4.0, ["a"])
 
 
 @pytest.mark.parametrize("sigma, budget", [(0.1, 1), (0.2, 8), (0.3, 37), (0.5, 67)])
@@ -137,7 +149,10 @@ def test_a_retired_rule_round_trips_and_stays_retired():
     ({"count": 2, "start": [4.0, 4.0], "high": None, "low": 1.0}, r"overshoot high must be a positive"),
     ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 0.0}, r"overshoot low must be a positive"),
     ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 2.0}, r"overshoot low must be <= high"),
-    ({"count": 2, "seen": 3, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in \[0, count=2\]"),
+    ({"count": 2, "seen": 3, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in \[1, count=2\]"),
+    ({"count": 2, "seen": 0, "start": [4.0, 4.0], "high": "x", "low": 1.0}, r"seen must be an integer in \[1, count=2\]"),
+    ({"count": 2, "start": [10**400, 4.0], "high": 1.0, "low": 1.0}, r"overshoot start must be a list"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 10**400, "low": 1.0}, r"overshoot high must be a positive finite"),
     ({"count": 2, "seen": -1, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
     ({"count": 2, "seen": 1.0, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
     ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": "ab"}, r"layers must be a list of layer"),
@@ -317,6 +332,76 @@ def test_a_parameter_group_added_in_the_first_steps_is_not_an_overshoot():
     assert norms[2] > 1.5 * max(norms[:2])  # the jump the rule would otherwise take for an overshoot
     assert factors == [None] * 12 and not opt._policy.unstable
     opt.close()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _mlp_steps(model, opt, steps, start=0, scale=None):
+    """Flat-loss steps (LR 1e-6) of a tiny MLP; ``scale``: {step: factor} on every gradient. LR factors."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)) for _ in range(steps)]
+    factors = []
+    for step in range(start, steps):
+        x, y = batches[step]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None and scale and step in scale:
+                p.grad.mul_(scale[step])
+        opt.step(loss=loss)
+        factors.append(opt._policy.lr_factor)
+        opt.zero_grad()
+    return factors
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "requires_grad"])
+def test_a_parameter_joining_a_layer_already_there_is_not_an_overshoot(how):
+    """The biases train for three steps, then the weights of the same layers join (a parameter group added,
+    or unfrozen): the layers' norms jump x5 on a flat loss, and the set of parameters changed: no
+    overshoot (found by an outside review: keyed on layer names, it fired)."""
+    model = _mlp()
+    weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+    biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
+    if how == "add_param_group":
+        opt = GuardedOptimizer(torch.optim.AdamW(biases, lr=1e-6), model, log_dir=None, verbose=False)
+    else:
+        for w in weights:
+            w.requires_grad_(False)
+        opt = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-6), model, log_dir=None, verbose=False)
+    factors = _mlp_steps(model, opt, 3)
+    if how == "add_param_group":
+        opt.add_param_group({"params": weights, "lr": 1e-6})
+    else:
+        for w in weights:
+            w.requires_grad_(True)
+    factors += _mlp_steps(model, opt, 12, start=3)
+    assert factors == [None] * 12 and not opt._policy.unstable
+    opt.close()
+
+
+def test_a_run_resumed_from_a_plain_optimizer_checkpoint_does_not_look_for_an_overshoot():
+    """A plain AdamW checkpoint of a run that had begun: its first steps were not these (as for a guard
+    checkpoint from before the rule); the same burst on a guard that starts the run is an overshoot."""
+    model = _mlp()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    for _ in range(3):
+        torch.nn.functional.cross_entropy(model(torch.randn(32, 8)), torch.randint(0, 3, (32,))).backward()
+        plain.step()
+        plain.zero_grad()
+    state = plain.state_dict()
+    resumed = GuardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-6), model, log_dir=None, verbose=False)
+    resumed.load_state_dict(state)
+    assert resumed._policy.overshoot is not None and resumed._policy.overshoot.done
+    assert _mlp_steps(model, resumed, 6, scale={3: 4.0}) == [None] * 6
+    resumed.close()
+    fresh_model = _mlp()
+    fresh = GuardedOptimizer(torch.optim.AdamW(fresh_model.parameters(), lr=1e-6), fresh_model, log_dir=None,
+                             verbose=False)
+    assert _mlp_steps(fresh_model, fresh, 6, scale={3: 4.0})[3] == 0.5
+    fresh.close()
 
 
 def test_the_guard_halves_the_lr_at_the_overshoot_and_a_resume_equals_an_uninterrupted_run():
