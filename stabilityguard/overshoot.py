@@ -80,10 +80,10 @@ class WarmupOvershoot:
         return self.count >= self.steps
 
     def observe(self, global_norm: float, loss: float, layers: Optional[Sequence[str]] = None) -> bool:
-        """One accepted step's global norm (pre-clip), loss and, optionally, the names of the layers in that
-        norm; ``True`` when it overshoots. A step whose norm is not positive and finite, or whose loss is not
-        finite, is left out (it counts neither way); one whose layers differ from the last step's starts the
-        comparison again (it is not a jump)."""
+        """One accepted step's global norm (pre-clip), loss and, optionally, the names of what that norm is
+        made of (the guard passes its parameters with a gradient); ``True`` when it overshoots. A step
+        whose norm is not positive and finite, or whose loss is not finite, is left out (it counts neither
+        way); one whose names differ from the last step's starts the comparison again (not a jump)."""
         if self.done or not (global_norm > 0 and math.isfinite(global_norm)) or not math.isfinite(loss):
             return False
         key = None if layers is None else tuple(layers)
@@ -100,6 +100,8 @@ class WarmupOvershoot:
         self.high, self.low = max(self.high, global_norm), min(self.low, global_norm)
         if len(self.start) < self.START:
             self.start.append(float(loss))
+        if self.done:  # no longer needed: the checkpoint need not carry every parameter's name
+            self.layers = None
         return hit
 
     def retire(self) -> None:
@@ -109,8 +111,8 @@ class WarmupOvershoot:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        """JSON-native: the counts, the norms' extremes (``None`` before any, or retired), the last step's
-        layers (``None``: not named) and the start losses."""
+        """JSON-native: the counts, the norms' extremes (``None`` before any, or retired), the names of the
+        last observed step's norm (``None``: not named, or done) and the start losses."""
         known = bool(self.start)
         return {"count": self.count, "seen": self.seen, "high": self.high if known else None,
                 "low": self.low if known else None, "layers": None if self.layers is None else list(self.layers),
@@ -140,7 +142,7 @@ class WarmupOvershoot:
         layers = state.get("layers")
         if layers is not None and (not isinstance(layers, (list, tuple))
                                    or not all(isinstance(x, str) for x in layers)):
-            raise ValueError(f"overshoot layers must be a list of layer names or None; got {layers!r}")
+            raise ValueError(f"overshoot layers must be a list of names (str) or None; got {layers!r}")
         high, low = state.get("high"), state.get("low")
         if start:
             for name, v in (("high", high), ("low", low)):

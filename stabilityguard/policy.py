@@ -44,7 +44,7 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   one too: an LR too high from the first steps drives the loss well above where the run started. So
   does an overshoot in the run's first 20 accepted steps (``instability_overshoot``,
   :class:`~stabilityguard.overshoot.WarmupOvershoot`): a global norm 1.5x every earlier one of the same
-  layers (and over them by more than the root of their spread) while the loss has made no progress;
+  parameters (and over them by more than the root of their spread) while the loss has made no progress;
   that step's own norm and loss confirm it (or one awaiting confirmation), so it takes the LR factor at
   once.
   The policy also gives the LR factor of each step it accepts (:attr:`GuardPolicy.lr_factor`,
@@ -187,7 +187,7 @@ class GuardPolicy:
         calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
             new level is accepted (``None``: ``level_shift_steps`` for every run).
         instability_overshoot: In the first 20 accepted steps with a loss, a global norm this many times
-            every earlier one of the same layers (and over them by the root of their spread), with no
+            every earlier one of the same parameters (and over them by the root of their spread), with no
             progress of the loss, begins an instability (``None``: off; > 1).
         early_clip: Before ``warmup_steps``, scale a global norm over ``spike_threshold`` x the mean of the
             steps so far back to ``outlier_ratio`` x that mean (only with ``graded``).

@@ -54,8 +54,9 @@ def test_only_the_first_steps_and_finite_values_count():
     for bad in [(math.nan, 4.0), (math.inf, 4.0), (0.0, 4.0), (-1.0, 4.0), (1.0, math.nan), (1.0, -math.inf)]:
         assert not o.observe(*bad)
     assert o.count == 0  # left out: they count neither way
-    assert not any(_hits(o, [(1.0, 4.0)] * 4))
+    assert not any(o.observe(1.0, 4.0, ["a"]) for _ in range(4))
     assert o.done and not o.observe(100.0, 4.0)  # past its steps it no longer looks
+    assert o.layers is None and o.state_dict()["layers"] is None  # nor carries the names in a checkpoint
 
 
 def test_a_joining_layer_is_not_a_jump_and_the_comparison_starts_again():
@@ -155,8 +156,8 @@ def test_a_retired_rule_round_trips_and_stays_retired():
     ({"count": 2, "start": [4.0, 4.0], "high": 10**400, "low": 1.0}, r"overshoot high must be a positive finite"),
     ({"count": 2, "seen": -1, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
     ({"count": 2, "seen": 1.0, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
-    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": "ab"}, r"layers must be a list of layer"),
-    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": [1, 2]}, r"layers must be a list of layer"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": "ab"}, r"layers must be a list of names"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": [1, 2]}, r"layers must be a list of names"),
 ])
 def test_bad_states_are_refused_naming_the_field(state, match):
     o = WarmupOvershoot(ratio=1.5)
