@@ -225,7 +225,7 @@ class LossTrend:
                 self.calm_noise = self.noise
             rise = above and self.count > self.SETTLE and self.fast - self.slow > self.EARLY_GATE * self.calm_noise
         if rise:
-            self.unstable, self.ref, self.since = True, self.slow, 0
+            self.begin()
 
     def begin(self) -> None:
         """Begin an instability now, from the level the loss has reached (something the loss alone does not
