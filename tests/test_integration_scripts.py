@@ -74,16 +74,3 @@ def test_lightning_script(tmp_path):
     assert [(s["epoch"], s["batch_index"]) for s in out["skipped"]] == [(1, 4)]
     assert out["counters"].steps == 30 and out["counters"].nonfinite == 0
 
-
-def test_compare_runs_script(offline):
-    import mlflow
-
-    out = script("compare_runs")(["--out", str(offline / "c"), "--steps", "230"])
-    assert not out["unguarded"]["weights_finite"] and out["guarded"]["weights_finite"]
-    client = mlflow.MlflowClient(f"sqlite:///{(offline / 'c' / 'mlflow.db').resolve()}")
-    exp = client.get_experiment_by_name("stabilityguard-compare")
-    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
-    assert set(runs) == {"guarded", "unguarded"}
-    assert runs["guarded"].data.tags["guard"] == "on" and runs["unguarded"].data.tags["guard"] == "off"
-    assert len(client.get_metric_history(runs["unguarded"].info.run_id, "train/loss")) == 230
-    assert client.get_metric_history(runs["guarded"].info.run_id, "sg/spike_ratio")[0].step == 150

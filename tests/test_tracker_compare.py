@@ -1,5 +1,6 @@
 """integrations/compare_runs.py tells the story in both trackers: observe-only (red, diverged) vs guarded
-(green, completed), read back from its sqlite MLflow store and its W&B offline files."""
+(green, completed), read back from its sqlite MLflow store and its W&B offline files. (The script's one
+end-to-end run; tests/test_integration_scripts.py runs the other scripts.)"""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def test_compare_runs_outcomes_colours_and_descriptions(tmp_path, monkeypatch, c
     assert u.data.metrics["sg/would_refuse_total"] >= 2 and u.data.metrics["sg/skipped_total"] == 0
     assert g.data.metrics["sg/skipped_total"] == 2 and g.data.metrics["sg/would_refuse_total"] == 0
     assert all(v == v for k, v in u.data.metrics.items() if k.startswith("sg/"))  # latest values finite
+    assert not out["unguarded"]["weights_finite"] and out["guarded"]["weights_finite"]
+    assert (u.data.tags["guard"], g.data.tags["guard"]) == ("off", "on")
+    assert len(client.get_metric_history(u.info.run_id, "train/loss")) == 230
+    assert client.get_metric_history(g.info.run_id, "sg/spike_ratio")[0].step == 150
     for name in ("unguarded", "guarded"):
         wb = read_run(Path(out[name]["wandb_dir"]))
         assert wb["run"]["name"] == name and wb["summary"]["sg/outcome"] == out[name]["outcome"]
