@@ -131,7 +131,7 @@ class Confirmation:
     (``LossTrend.confirms``), or by one whose loss shows it by :attr:`CLEAR_BAR` times the margin; one
     that begins on accepted losses alone, by one loss that shows it. An accepted step whose loss does
     not show it (or has none) starts the count again. So one ordinary heavy-tailed loss after the bad
-    batches seldom halves the LR, while a natural rise, whose first accepted loss is usually far above
+    batches seldom cuts the LR, while a natural rise, whose first accepted loss is usually far above
     the level, takes it at once.
 
     Each instability is confirmed on its own: one that begins (on a refused step) right after a confirmed

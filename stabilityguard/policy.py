@@ -217,7 +217,7 @@ class GuardPolicy:
         instability_clip: Optional[float] = 1.0,
         instability_z: float = 3.0,
         instability_rise: Optional[float] = 0.5,
-        instability_lr: Optional[float] = 0.5,
+        instability_lr: Optional[float] = 0.25,
         instability_lr_recovery: int = 100,
         spike_jump: Optional[float] = 4.0,
         calm_shift_steps: Optional[int] = 2,

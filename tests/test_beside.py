@@ -166,8 +166,11 @@ def test_a_zero_gradient_is_no_signal_for_a_provisional_level(set_to_none):
 def _hinge(pass_loss: bool):
     torch.manual_seed(0)
     w_true, model, capture = torch.randn(16), nn.Linear(16, 1), Capture()
+    # instability_lr off: this case is about the loss z-score; a cut LR moves this chaotic run by more than
+    # the z-score's effect (held-out loss 0.098 / 0.133 / 0.127 with the factor 0.5 / 0.25 / off; 0.122
+    # without a loss: measured)
     opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, log_dir=None, verbose=False,
-                           sinks=[capture])
+                           sinks=[capture], instability_lr=None)
     positive = 0
     for step in range(600):
         g = torch.Generator().manual_seed(step)

@@ -195,7 +195,7 @@ def test_the_policy_begins_a_confirmed_instability_at_the_overshoot():
     pol = _policy()
     factors = _run(pol, [(1.0, 1.0), (0.9, 0.9), (3.0, 3.0), (1.0, 1.0)])
     assert factors[:2] == [None, None]
-    assert factors[2] == 0.5  # the overshooting step takes the factor itself: its norm and loss show it
+    assert factors[2] == 0.25  # the overshooting step takes the factor itself: its norm and loss show it
     assert pol.overshoot is not None and pol.overshoot.count == 4
     assert factors[3] is not None and factors[3] < 1.0  # and the steps after it, back over the recovery
 
@@ -248,7 +248,7 @@ def test_an_overshoot_confirms_an_instability_that_awaits_confirmation():
         assert pol.unstable and pol.confirm is not None and pol.confirm.need == 2
         return pol
 
-    assert _run(awaiting(), [(3.0, 3.0)]) == [0.5]
+    assert _run(awaiting(), [(3.0, 3.0)]) == [0.25]
     quiet = awaiting()  # the same without the jump: the flat loss does not confirm it, no factor yet
     assert _run(quiet, [(1.0, 1.0)]) == [None] and quiet.confirm is not None and quiet.confirm.need == 2
 
@@ -401,17 +401,17 @@ def test_a_run_resumed_from_a_plain_optimizer_checkpoint_does_not_look_for_an_ov
     fresh_model = _mlp()
     fresh = GuardedOptimizer(torch.optim.AdamW(fresh_model.parameters(), lr=1e-6), fresh_model, log_dir=None,
                              verbose=False)
-    assert _mlp_steps(fresh_model, fresh, 6, scale={3: 4.0})[3] == 0.5
+    assert _mlp_steps(fresh_model, fresh, 6, scale={3: 4.0})[3] == 0.25
     fresh.close()
 
 
-def test_the_guard_halves_the_lr_at_the_overshoot_and_a_resume_equals_an_uninterrupted_run():
+def test_the_guard_cuts_the_lr_at_the_overshoot_and_a_resume_equals_an_uninterrupted_run():
     data = MarkovData(vocab_size=VOCAB, seed=0)
     batches = [data.batch(BATCH, SEQ) for _ in range(STEPS)]
     model, opt = _build()
     ref_factors: list = []
     _train(model, opt, batches, 0, STEPS, ref_factors)
-    assert ref_factors[:JUMP] == [None] * JUMP and ref_factors[JUMP] == 0.5
+    assert ref_factors[:JUMP] == [None] * JUMP and ref_factors[JUMP] == 0.25
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_policy = opt.state_dict()["stabilityguard"]["policy"]
     opt.close()

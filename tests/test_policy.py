@@ -416,7 +416,7 @@ def test_during_an_instability_the_global_norm_is_held_at_its_baseline():
     assert not held.unstable
 
 
-@pytest.mark.parametrize("kw, factor", [({}, 0.5), ({"instability_lr": 0.2}, 0.2), ({"instability_lr": None}, None),
+@pytest.mark.parametrize("kw, factor", [({}, 0.25), ({"instability_lr": 0.2}, 0.2), ({"instability_lr": None}, None),
                                         ({"graded": False}, None), ({"instability_clip": None}, None)])
 def test_the_lr_factor_follows_the_instability_and_comes_back_over_the_recovery(kw, factor):
     """lr_factor (what the adapter applies to the step being taken): instability_lr during the instability,
@@ -489,7 +489,7 @@ def test_the_unconfirmed_instability_after_bad_batches_resumes_bit_for_bit(cut):
     for i, (loss, g) in enumerate(losses()):
         feed(whole, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
         got.append(whole.lr_factor)
-    assert got[:12] == [None] * 12 and 0.5 in got[12:]  # unconfirmed (a lossless step too), then the rise
+    assert got[:12] == [None] * 12 and 0.25 in got[12:]  # unconfirmed (a lossless step too), then the rise
     a, resumed = start(), []
     for i, (loss, g) in enumerate(losses()):
         if i == cut:
@@ -539,7 +539,7 @@ def test_one_heavy_tailed_ordinary_loss_after_bad_batches_does_not_halve_the_lr(
 
 
 def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_take_over_its_factor():
-    """A natural rise held the LR at half for loss_window steps; it ends on a refused bad batch and the
+    """A natural rise held the LR at a quarter for loss_window steps; it ends on a refused bad batch and the
     next bad batches begin another instability at once: the accepted steps after them recover towards
     the full LR (the factor of the first instability is not held for the second, unconfirmed one)."""
     pol = make(ema_alpha=0.05, instability_lr_recovery=20, loss_window=20)
@@ -547,10 +547,10 @@ def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_tak
     warm(pol, 60, rng=rng)
     while not pol.unstable:
         _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
-    assert pol.lr_factor == 0.5  # confirmed at once (no refused step before it)
+    assert pol.lr_factor == 0.25  # confirmed at once (no refused step before it)
     while pol.trend.since < pol.trend.max_steps:  # the rise goes on until the trend's longest instability
         _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
-        assert pol.lr_factor == 0.5
+        assert pol.lr_factor == 0.25
     ended = False
     for f, g in BAD_BATCHES:  # the first ends it (the higher loss is a new level); the next begin another
         assert feed(pol, [2 * g, 2 * g], loss=3.0 * f).kind == REFUSE
@@ -561,7 +561,7 @@ def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_tak
         _grow(pol, rng, loss=pol.trend.ref - 0.01, factor=2.0, steps=1)
         got.append(pol.lr_factor)
         unstable.append(pol.unstable)
-    assert unstable[0] and got == pytest.approx([0.5 + 0.5 * k / 20 for k in range(1, 9)])
+    assert unstable[0] and got == pytest.approx([0.25 + 0.75 * k / 20 for k in range(1, 9)])
 
 
 def _bar(pol, bars):
@@ -589,7 +589,7 @@ def test_two_confirming_losses_in_a_row_resume_bit_for_bit(cut):
         feed(whole, [1.01, 1.0], loss=_bar(whole, bars))
         got.append(whole.lr_factor)
         need.append(whole.confirm.need)
-    assert need[:4] == [1, 2, 1, 0] and got[:4] == [None, None, None, 0.5]
+    assert need[:4] == [1, 2, 1, 0] and got[:4] == [None, None, None, 0.25]
     a, resumed = start(), []
     for i, bars in enumerate(plan):
         if i == cut:
@@ -603,7 +603,7 @@ def test_two_confirming_losses_in_a_row_resume_bit_for_bit(cut):
     t = clear.trend  # the bar: twice the margin asks twice as far up
     assert t.confirms(_bar(clear, 1.5)) and not t.confirms(_bar(clear, 1.5), 2.0) and t.confirms(_bar(clear, 2.5), 2.0)
     feed(clear, [1.01, 1.0], loss=_bar(clear, 2.5))
-    assert clear.lr_factor == 0.5 and clear.confirm.need == 0
+    assert clear.lr_factor == 0.25 and clear.confirm.need == 0
 
 
 def test_a_checkpoint_from_before_the_confirmation_state_waits_for_one_loss():

@@ -229,7 +229,7 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     for step in range(STEPS):
         _train(model, opt, batches, step, step + 1, rise=True)
         after.append(opt.param_groups[0]["lr"])
-    factor = cfg.get("instability_lr", 0.5) if applied else 1.0
+    factor = cfg.get("instability_lr", 0.25) if applied else 1.0
     recovery = cfg.get("instability_lr_recovery", 100)
     first = next(i for i, (_, u) in enumerate(seen) if u)
     end = max(i for i, (_, u) in enumerate(seen) if u) + 1
