@@ -130,8 +130,9 @@ class GuardConfig:
     a loss does not confirm), or at an overshooting step (``instability_overshoot``). Not in ``monitor``
     mode. Needs what the hold
     needs (``graded_response``, ``instability_clip`` on, a loss). 0.25 was chosen against 0.5, 0.35 and
-    0.15 on 24 seeds of ``bench/protection.py``'s natural instabilities and checked on 8 fresh ones
-    (README, "Protection"); a false alarm costs about 38 steps' worth of LR over the recovery."""
+    0.15 on 24 seeds of ``bench/protection.py``'s natural instabilities and checked against 0.5 on 8 fresh ones
+    (README, "Protection"): better than 0.5, not told apart from 0.35; a false alarm costs about 38 steps'
+    worth of LR over the recovery."""
 
     instability_lr_recovery: int = 100
     """After a loss instability, the ``instability_lr`` factor ``f`` returns linearly to 1 over this many

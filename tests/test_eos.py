@@ -194,8 +194,8 @@ def test_cpu_attention_falls_back_to_finite_differences(tmp_path):
 
 def test_warnings_are_telemetry_only(tmp_path):
     # A quadratic with top curvature 3 trained by SGD at lr=1: threshold 2, ratio 1.5 at every check. The
-    # run diverges (loss x4 a step), which ``instability_overshoot`` answers at step 2 by halving the LR
-    # (threshold 4: no warning at step 4); off here, so the LR, and the telemetry alone, stay as set.
+    # run diverges (loss x4 a step), which ``instability_overshoot`` answers at step 2 by cutting the LR
+    # to a quarter (threshold 8: no warning at step 4); off here, so the LR, and the telemetry alone, stay as set.
     theta = torch.nn.Parameter(torch.tensor([1.0, 1.0]))
     h = torch.tensor([3.0, 0.5])
 

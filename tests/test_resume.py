@@ -268,7 +268,7 @@ def test_records_and_summaries_show_the_lr_the_step_used(hook):
     _at_update(opt.base_optimizer, lambda o: seen.__setitem__(opt.counters.steps, o.param_groups[0]["lr"]))
     _train(model, opt, batches, 0, STEPS, rise=True)
     gamma = 0.97 if hook is not None else 1.0
-    assert len({lr / gamma ** step for step, lr in seen.items()}) > 3  # full, halved, and the way back
+    assert len({lr / gamma ** step for step, lr in seen.items()}) > 3  # full, cut, and the way back
     taken = [row for row in opt.recorder.window() if row["action"] in ("accepted", "clip")]
     assert len(taken) > 40 and all(row["lr"] == seen[row["step"]] for row in taken)
     assert [s.lr for s in summaries if s.step in seen] == [seen[s.step] for s in summaries if s.step in seen]

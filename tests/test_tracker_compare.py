@@ -41,6 +41,7 @@ def test_compare_runs_outcomes_colours_and_descriptions(tmp_path, monkeypatch, c
     client = mlflow.MlflowClient(f"sqlite:///{(tmp_path / 'c' / 'mlflow.db').resolve()}")
     exp = client.get_experiment_by_name("stabilityguard-compare")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"guarded", "unguarded"}
     u, g = runs["unguarded"], runs["guarded"]
     assert u.data.tags["mlflow.runColor"] != g.data.tags["mlflow.runColor"]
     assert (u.data.tags["nan_action"], g.data.tags["nan_action"]) == ("monitor", "skip")
