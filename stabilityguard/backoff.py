@@ -14,7 +14,9 @@ How the factor moves (the shape of SPAM's LR backoff, :mod:`stabilityguard.featu
 * it stays there while the instability lasts;
 * after the instability it returns linearly to 1 over ``recovery_steps`` accepted steps: the k-th step
   after it takes ``start + (1 - start) * k / recovery_steps``, so ``recovery_steps - 1`` steps are still
-  reduced (0 and 1: the LR in full on the first step after it).
+  reduced (0 and 1: the LR in full on the first step after it); with ``recovery_ratio``
+  (``instability_lr_recovery_ratio``, opt-in) the way back lasts ``max(recovery_steps, recovery_ratio x
+  n)`` steps, n the accepted steps the instability took its factor on (:attr:`InstabilityBackoff.recovery`).
 
 Why it does not return at once: an LR too high, or a jump of the LR, is still there when the loss has
 come back down; restored in one step, the next instability follows (measured in
@@ -60,17 +62,21 @@ class InstabilityBackoff:
         factor: ``instability_lr``, in (0, 1].
         recovery_steps: ``instability_lr_recovery``: accepted steps over which the factor returns to 1
             after an instability (>= 0).
+        recovery_ratio: ``instability_lr_recovery_ratio``: the way back lasts at least this many times the
+            instability's own length (``None`` or 0: ``recovery_steps`` always).
     """
 
     #: Compounding stops here (instabilities one after another never take the LR below a tenth).
     FLOOR = 0.1
 
-    def __init__(self, factor: float, *, recovery_steps: int) -> None:
+    def __init__(self, factor: float, *, recovery_steps: int, recovery_ratio: Optional[float] = None) -> None:
         self.factor = float(factor)
         self.recovery_steps = int(recovery_steps)
+        self.recovery_ratio = float(recovery_ratio) if recovery_ratio else None
         self.start = 1.0  # the factor while the last instability lasted
         self.since = 0  # accepted steps since it ended
         self.unstable = False  # the last accepted step was taken during an instability
+        self.lasted = 0  # accepted steps the last (or current) instability took its factor on
 
     def step(self, unstable: bool) -> Optional[float]:
         """Advance by one accepted step; returns its LR factor (``None``: 1, the LR as it is).
@@ -80,11 +86,13 @@ class InstabilityBackoff:
         """
         if unstable and not self.unstable:  # an instability begins: drop, from where the factor stands
             self.start = max(min(self.FLOOR, self.factor), self.in_force * self.factor)
-            self.since = 0
-        elif not unstable and self.start < 1.0:  # recovering: this step is one more of the way back
+            self.since, self.lasted = 0, 0
+        if unstable:
+            self.lasted += 1
+        elif self.start < 1.0:  # recovering: this step is one more of the way back
             self.since += 1
-            if self.since >= self.recovery_steps:
-                self.start, self.since = 1.0, 0
+            if self.since >= self.recovery:
+                self.start, self.since, self.lasted = 1.0, 0, 0
         self.unstable = bool(unstable)
         f = self.in_force
         return f if f < 1.0 else None
@@ -94,11 +102,19 @@ class InstabilityBackoff:
         """The factor of the step :meth:`step` last counted, the last accepted step (1: none)."""
         if self.unstable:
             return min(self.start, 1.0)
-        return linear_recovery(self.start, self.since, self.recovery_steps)
+        return linear_recovery(self.start, self.since, self.recovery)
+
+    @property
+    def recovery(self) -> int:
+        """Accepted steps the way back from the last instability takes: ``recovery_steps``, or
+        ``recovery_ratio`` times the steps that instability lasted if that is longer."""
+        if self.recovery_ratio is None:
+            return self.recovery_steps
+        return max(self.recovery_steps, math.ceil(self.recovery_ratio * self.lasted))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {"start": self.start, "since": self.since, "unstable": self.unstable}
+        return {"start": self.start, "since": self.since, "unstable": self.unstable, "lasted": self.lasted}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value.
@@ -109,6 +125,7 @@ class InstabilityBackoff:
         if not isinstance(state, dict):
             raise ValueError(f"backoff state must be a dict; got {type(state).__name__}")
         start, since, unstable = state.get("start", 1.0), state.get("since", 0), state.get("unstable", False)
+        lasted = state.get("lasted", 0)  # 0 in a state from before recovery_ratio: recovery_steps, as then
         if isinstance(start, bool) or not isinstance(start, numbers.Real) or not math.isfinite(start) \
                 or not 0.0 < start <= 1.0:
             raise ValueError(f"backoff start must be a number in (0, 1]; got {start!r}")
@@ -116,9 +133,11 @@ class InstabilityBackoff:
             raise ValueError(f"backoff since must be an integer >= 0; got {since!r}")
         if not isinstance(unstable, bool):
             raise ValueError(f"backoff unstable must be True or False; got {unstable!r}")
-        self.start, self.since, self.unstable = float(start), int(since), unstable
-        if self.start >= 1.0 or (not unstable and self.since >= self.recovery_steps):
-            self.start, self.since, self.unstable = 1.0, 0, False
+        if isinstance(lasted, bool) or not isinstance(lasted, numbers.Integral) or lasted < 0:
+            raise ValueError(f"backoff lasted must be an integer >= 0; got {lasted!r}")
+        self.start, self.since, self.unstable, self.lasted = float(start), int(since), unstable, int(lasted)
+        if self.start >= 1.0 or (not unstable and self.since >= self.recovery):
+            self.start, self.since, self.unstable, self.lasted = 1.0, 0, False, 0
 
 
 class Confirmation:

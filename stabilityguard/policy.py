@@ -183,6 +183,8 @@ class GuardPolicy:
             noise units), that begins an instability before the loss's noise is known (``None``: off).
         instability_lr: LR factor of the steps taken during an instability (``None``: none).
         instability_lr_recovery: Accepted steps over which that factor returns to 1 after it.
+        instability_lr_recovery_ratio: The way back lasts at least this many times the instability's own
+            length in accepted steps (``None``: ``instability_lr_recovery`` steps always).
         spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
         calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
             new level is accepted (``None``: ``level_shift_steps`` for every run).
@@ -219,6 +221,7 @@ class GuardPolicy:
         instability_rise: Optional[float] = 0.5,
         instability_lr: Optional[float] = 0.25,
         instability_lr_recovery: int = 100,
+        instability_lr_recovery_ratio: Optional[float] = None,
         spike_jump: Optional[float] = 4.0,
         calm_shift_steps: Optional[int] = 2,
         early_clip: bool = True,
@@ -244,7 +247,8 @@ class GuardPolicy:
         #: When an instability's factor begins (``None`` without a factor).
         self.confirm: Optional[Confirmation] = None
         if self.trend is not None and instability_lr is not None:
-            self.backoff = InstabilityBackoff(instability_lr, recovery_steps=instability_lr_recovery)
+            self.backoff = InstabilityBackoff(instability_lr, recovery_steps=instability_lr_recovery,
+                                               recovery_ratio=instability_lr_recovery_ratio)
             self.confirm = Confirmation()
         #: The LR factor of the step the last commit accepted (``None``: 1, or a refused step).
         self.lr_factor: Optional[float] = None
@@ -299,6 +303,7 @@ class GuardPolicy:
                    instability_clip=cfg.instability_clip, instability_z=cfg.instability_z,
                    instability_rise=cfg.instability_rise, instability_lr=cfg.instability_lr,
                    instability_lr_recovery=cfg.instability_lr_recovery,
+                   instability_lr_recovery_ratio=cfg.instability_lr_recovery_ratio,
                    spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip,
                    coherent_share=cfg.coherent_share, instability_overshoot=cfg.instability_overshoot)
 
@@ -752,7 +757,8 @@ class GuardPolicy:
         self.lr_factor = None
         if self.backoff is not None:  # a checkpoint from before it: no factor in force (an instability
             # under way at the checkpoint drops the LR again at the next accepted step whose loss confirms it)
-            self.backoff = InstabilityBackoff(self.backoff.factor, recovery_steps=self.backoff.recovery_steps)
+            self.backoff = InstabilityBackoff(self.backoff.factor, recovery_steps=self.backoff.recovery_steps,
+                                               recovery_ratio=self.backoff.recovery_ratio)
             self.backoff.load_state_dict(state.get("backoff") or {})
             assert self.trend is not None
             self.confirm = Confirmation()

@@ -226,3 +226,71 @@ def test_a_loss_that_clearly_shows_it_confirms_on_its_own():
     c.observe(accepted=False, began=True, unstable=True)
     assert not c.confirmed(False, clearly=True)  # "clearly" without "shows" (never passed so) counts nothing
     assert c.need == 2
+
+
+# ---------------------------------------------------------------- recovery_ratio (instability_lr_recovery_ratio)
+def test_recovery_ratio_lengthens_the_way_back_after_a_long_instability():
+    """Three unstable steps x ratio 2 = 6 steps of recovery, longer than recovery_steps 4."""
+    b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0)
+    got = _run(b, [True, True, True] + [False] * 7)
+    assert got[:3] == [0.5, 0.5, 0.5]
+    assert got[3:] == [pytest.approx(0.5 + 0.5 * k / 6) for k in range(1, 6)] + [None, None]
+    assert b.start == 1.0 and b.lasted == 0
+
+
+def test_recovery_ratio_never_shortens_recovery_steps():
+    """One unstable step x 2 is under recovery_steps: the recovery is recovery_steps long, the factors
+    exactly those without the ratio (a one-step false alarm costs what it did)."""
+    flags = [False, True, False, False, False, False, False]
+    assert _run(InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0), flags) == \
+        _run(InstabilityBackoff(0.5, recovery_steps=4), flags)
+
+
+@pytest.mark.parametrize("ratio", [None, 0, 0.0])
+def test_recovery_ratio_off_is_the_behaviour_before_it(ratio):
+    flags = [True] * 9 + [False] * 12
+    assert _run(InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=ratio), flags) == \
+        _run(InstabilityBackoff(0.5, recovery_steps=4), flags)
+
+
+def test_recovery_ratio_counts_the_instability_that_compounded():
+    """An instability during the recovery drops from the factor in force and its own length decides the
+    next recovery: two unstable steps x 3 = 6."""
+    b = InstabilityBackoff(0.5, recovery_steps=2, recovery_ratio=3.0)
+    got = _run(b, [True] * 4 + [False] + [True] * 2 + [False] * 7)
+    # 4 x 3 = 12 steps back from 0.5; one step of it (0.5 + 0.5/12), then a drop to half that for two steps
+    f = 0.5 * (0.5 + 0.5 / 12)
+    assert got[5:7] == [pytest.approx(f), pytest.approx(f)]
+    assert got[7:] == [pytest.approx(f + (1 - f) * k / 6) for k in range(1, 6)] + [None, None]
+
+
+@pytest.mark.parametrize("cut", range(1, 20))
+def test_state_round_trip_with_recovery_ratio_resumes_bit_for_bit(cut):
+    flags = [False] + [True] * 5 + [False] * 4 + [True] * 2 + [False] * 8
+    ref = _run(InstabilityBackoff(0.5, recovery_steps=3, recovery_ratio=2.5), flags)
+    first = InstabilityBackoff(0.5, recovery_steps=3, recovery_ratio=2.5)
+    head = _run(first, flags[:cut])
+    resumed = InstabilityBackoff(0.5, recovery_steps=3, recovery_ratio=2.5)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert head + _run(resumed, flags[cut:]) == ref
+
+
+def test_a_state_from_before_recovery_ratio_recovers_over_recovery_steps():
+    """No ``lasted`` in the state (schema before it): the instability's length is unknown, so the way
+    back is recovery_steps long, as the run that saved it would have had it."""
+    b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=10.0)
+    b.load_state_dict({"start": 0.5, "since": 1, "unstable": False})
+    assert _run(b, [False] * 4) == [0.75, 0.875, None, None]
+
+
+@pytest.mark.parametrize("lasted", [-1, 1.5, True, "3", None])
+def test_a_bad_lasted_is_refused_naming_the_field(lasted):
+    b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0)
+    with pytest.raises(ValueError, match="backoff lasted must be an integer >= 0; got"):
+        b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": lasted})
+
+
+def test_numpy_lasted_loads_as_a_python_int():
+    b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0)
+    b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": np.int64(5)})
+    assert type(b.lasted) is int and b.recovery == 10

@@ -38,6 +38,10 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
         ({"instability_lr_recovery": None}, r"instability_lr_recovery must be an integer >= 0; got None"),
         ({"instability_lr_recovery": True}, r"instability_lr_recovery must be an integer >= 0; got True"),
         ({"instability_lr_recovery": "100"}, r"instability_lr_recovery must be an integer >= 0; got '100'"),
+        ({"instability_lr_recovery_ratio": -1}, r"instability_lr_recovery_ratio must be a finite number >= 0 or None; got -1"),
+        ({"instability_lr_recovery_ratio": float("inf")}, r"instability_lr_recovery_ratio must be .*got inf"),
+        ({"instability_lr_recovery_ratio": True}, r"instability_lr_recovery_ratio must be .*got True"),
+        ({"instability_lr_recovery_ratio": "10"}, r"instability_lr_recovery_ratio must be .*got '10'"),
         ({"instability_rise": 0.0}, r"instability_rise must be a finite number > 0 or None; got 0.0"),
         ({"instability_rise": float("nan")}, r"instability_rise must be .*got nan"),
         ({"instability_rise": [0.5]}, r"instability_rise must be .*got \[0.5\]"),
@@ -130,10 +134,11 @@ def test_number_types_are_stored_as_plain_python_values():
                       spike_threshold=Fraction(21, 2), nan_action=np.str_("skip"), log_every=np.int64(5),
                       calm_shift_steps=np.int32(3), early_clip=np.bool_(True), outlier_ratio=torch.tensor(4.0),
                       instability_lr=np.float32(0.25), instability_rise=torch.tensor(0.75),
-                      instability_lr_recovery=np.int64(50))
+                      instability_lr_recovery=np.int64(50), instability_lr_recovery_ratio=np.int32(10))
     plain = {"coherent_share": float, "ema_alpha": float, "spike_threshold": float, "nan_action": str,
              "log_every": int, "calm_shift_steps": int, "early_clip": bool, "outlier_ratio": float,
-             "instability_lr": float, "instability_rise": float, "instability_lr_recovery": int}
+             "instability_lr": float, "instability_rise": float, "instability_lr_recovery": int,
+             "instability_lr_recovery_ratio": int}
     for name, kind in plain.items():
         assert type(getattr(cfg, name)) is kind, name
     assert cfg.spike_threshold == 10.5

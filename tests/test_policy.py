@@ -1172,3 +1172,60 @@ def test_an_old_detector_only_checkpoint_resets_the_rest_of_a_policy_that_ran():
     for vals, loss in (([6.0, 1.0], 1.0), ([1.0, 1.0], 9.0), ([50.0, 1.0], 1.0)):
         a, b = ran.decide(vals, None, 7.0, loss), fresh.decide(vals, None, 7.0, loss)
         assert (a.kind, a.factors, a.loss_z, a.reasons) == (b.kind, b.factors, b.loss_z, b.reasons)
+
+
+def test_instability_lr_recovery_ratio_stretches_the_way_back_by_the_instability_s_length():
+    """``instability_lr_recovery_ratio``: after an instability the factor took on n accepted steps, the
+    way back lasts max(instability_lr_recovery, ratio x n) steps; the factor during it is the same."""
+    got = {}
+    for ratio in (None, 3.0):
+        pol = make(ema_alpha=0.05, instability_lr_recovery=20, instability_lr_recovery_ratio=ratio)
+        warm(pol, 60, rng=random.Random(0))
+        rng, trace = random.Random(3), []
+        for _ in range(30):
+            _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
+            trace.append((pol.unstable, pol.lr_factor))
+        for _ in range(250):
+            feed(pol, [1.0, 1.0], loss=1.0 + 0.01 * rng.random())
+            trace.append((pol.unstable, pol.lr_factor))
+        got[ratio] = trace
+    assert got[None][:30] == got[3.0][:30]  # the same instability, the same factor during it
+    taken = [i for i, (u, f) in enumerate(got[3.0]) if u and f is not None]
+    n, end = len(taken), taken[-1] + 1
+    assert n > 7 and 3 * n > 20 and end + 3 * n < len(got[3.0])  # the ratio decides; the run sees it end
+    back = [f for _, f in got[3.0][end:end + 3 * n]]
+    assert back[:-1] == pytest.approx([0.25 + 0.75 * k / (3 * n) for k in range(1, 3 * n)])
+    assert back[-1] is None and {f for _, f in got[3.0][end + 3 * n:]} == {None}
+    assert {f for _, f in got[None][end + 20:]} == {None}  # without the ratio: 20 steps
+
+
+@pytest.mark.parametrize("cut", [5, 20, 45, 70])
+def test_a_policy_with_recovery_ratio_resumes_bit_for_bit(cut):
+    """The instability's length is saved with the backoff: resumed during the instability or on the way
+    back, the factors are those of the uninterrupted run."""
+    def steps():
+        rng = random.Random(5)
+        out = [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(25)]
+        return out + [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(90)]
+
+    def fresh():
+        return make(ema_alpha=0.05, instability_lr_recovery=10, instability_lr_recovery_ratio=4.0)
+
+    whole = fresh()
+    warm(whole, 60, rng=random.Random(0))
+    ref = []
+    for i, (loss, g) in enumerate(steps()):
+        feed(whole, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
+        ref.append(whole.lr_factor)
+    assert sum(f is not None for f in ref) > 40  # the stretched recovery is in the run
+    a = fresh()
+    warm(a, 60, rng=random.Random(0))
+    got = []
+    for i, (loss, g) in enumerate(steps()):
+        if i == cut:
+            b = fresh()
+            b.load_state_dict(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
+            a = b
+        feed(a, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
+        got.append(a.lr_factor)
+    assert got == ref

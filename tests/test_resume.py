@@ -35,6 +35,9 @@ CONFIGS = {
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
     "recovery": {},  # the default guard with instability_lr's factor on its way back at the cut (RECOVER)
+    # the same two with the way back stretched by the instability's length (its count is in the checkpoint)
+    "instability_ratio": {"instability_lr_recovery_ratio": 20.0},
+    "recovery_ratio": {"instability_lr_recovery_ratio": 20.0},
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
     "everything": {"nan_action": "rollback", "rollback_interval": 5, "enable_spam": True,
                    "enable_auto_calibration": True, "auto_calibration_warmup_steps": 12, "enable_helene": True,
@@ -113,8 +116,8 @@ OPTIMIZER_FIRST = ["default", "rollback", "helene", "everything"]
 def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     cfg = CONFIGS[name]
     batches = _batches()
-    rise, shift, absent = name == "instability", name == "calm_shift", name == "layer_set"
-    early, recover = name == "early_instability", name == "recovery"
+    rise, shift, absent = name in ("instability", "instability_ratio"), name == "calm_shift", name == "layer_set"
+    early, recover = name == "early_instability", name in ("recovery", "recovery_ratio")
     model, opt = _build(cfg)
     _train(model, opt, batches, 0, STEPS, rise, shift, absent, early, recover)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
@@ -132,6 +135,8 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     assert opt._policy.unstable == (rise or early)  # the instability is under way at the checkpoint
     backoff = opt._policy.backoff  # None without the trend (graded_response=False)
     assert (backoff is not None and backoff.start < 1.0 and backoff.since > 0) == recover  # on its way back
+    if "instability_lr_recovery_ratio" in cfg:  # the instability's length decides: longer than the 100 steps
+        assert backoff.recovery > backoff.recovery_steps if recover else backoff.lasted > 0
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
     assert (opt._policy.global_layers is not None) == absent  # the global baseline describes a subset
     buf = io.BytesIO()
