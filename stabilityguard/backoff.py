@@ -68,6 +68,8 @@ class InstabilityBackoff:
 
     #: Compounding stops here (instabilities one after another never take the LR below a tenth).
     FLOOR = 0.1
+    #: The longest way back ``recovery_ratio`` makes (a count no run reaches; a huge ratio stays an integer).
+    NEVER = 2 ** 62
 
     def __init__(self, factor: float, *, recovery_steps: int, recovery_ratio: Optional[float] = None) -> None:
         self.factor = float(factor)
@@ -110,7 +112,8 @@ class InstabilityBackoff:
         ``recovery_ratio`` times the steps that instability lasted if that is longer."""
         if self.recovery_ratio is None:
             return self.recovery_steps
-        return max(self.recovery_steps, math.ceil(self.recovery_ratio * self.lasted))
+        steps = self.recovery_ratio * self.lasted  # a huge ratio (1e308) overflows to inf: never back
+        return max(self.recovery_steps, math.ceil(steps) if steps < self.NEVER else self.NEVER)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:

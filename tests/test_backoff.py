@@ -294,3 +294,12 @@ def test_numpy_lasted_loads_as_a_python_int():
     b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0)
     b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": np.int64(5)})
     assert type(b.lasted) is int and b.recovery == 10
+
+
+def test_a_huge_recovery_ratio_keeps_the_factor_and_never_overflows():
+    """ratio 1e308 x 2 steps is inf in floats: the way back is then longer than any run, not an error."""
+    b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=1e308)
+    got = _run(b, [True, True] + [False] * 50)
+    assert b.recovery == InstabilityBackoff.NEVER and all(0.5 <= f < 0.5 + 1e-12 for f in got)
+    b.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    assert b.step(False) < 0.5 + 1e-12
