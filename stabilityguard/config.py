@@ -149,8 +149,8 @@ class GuardConfig:
     longer the loss stayed up at the lower LR, the more likely the LR itself was the cause, and an LR
     too high is still too high afterwards; a one-step false alarm (``instability_overshoot`` on a clean
     run) recovers as without it. Measured on 24 seeds of ``bench/protection.py`` at 20: the LR jumps
-    0.02 (GPT) and 0.18 (CNN) nats better, clean runs, too-high LRs and attention-logit growth on the
-    GPT identical (``bench/results/protection.sweep.md``); not the default yet: the README's tables are
+    0.02 (GPT) and 0.18 (CNN) nats better, clean runs, the GPT's too-high LR and attention-logit growth
+    identical (one MLP run with a too-high LR +0.0001 nats) (``bench/results/protection.sweep.md``); not the default yet: the README's tables are
     of the default without it."""
 
     spike_jump: Optional[float] = 4.0
