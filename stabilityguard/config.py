@@ -150,8 +150,8 @@ class GuardConfig:
     too high is still too high afterwards; a one-step false alarm (``instability_overshoot`` on a clean
     run) recovers as without it. Measured on 24 seeds of ``bench/protection.py`` at 20: the LR jumps
     0.02 (GPT) and 0.18 (CNN) nats better, clean runs, the GPT's too-high LR and attention-logit growth
-    identical (one MLP run with a too-high LR +0.0001 nats) (``bench/results/protection.sweep.md``); not the default yet: the README's tables are
-    of the default without it."""
+    identical, one MLP run with a too-high LR +0.0001 nats (``bench/results/protection.sweep.md``); not
+    the default yet: the README's tables are of the default without it."""
 
     spike_jump: Optional[float] = 4.0
     """A critical spike must be sudden: besides a ratio over ``spike_threshold``, the layer's norm must be
