@@ -15,13 +15,16 @@ How the factor moves (the shape of SPAM's LR backoff, :mod:`stabilityguard.featu
 * after the instability it returns linearly to 1 over ``recovery_steps`` accepted steps: the k-th step
   after it takes ``start + (1 - start) * k / recovery_steps``, so ``recovery_steps - 1`` steps are still
   reduced (0 and 1: the LR in full on the first step after it); with ``recovery_ratio``
-  (``instability_lr_recovery_ratio``, opt-in) the way back lasts ``max(recovery_steps, recovery_ratio x
-  n)`` steps, n the accepted steps the instability took its factor on (:attr:`InstabilityBackoff.recovery`).
+  (``instability_lr_recovery_ratio``, 20 by default) the way back lasts ``max(recovery_steps, recovery_ratio x
+  n)`` steps, n the accepted steps the instability took its factor on (:attr:`InstabilityBackoff.recovery`);
+  an instability that begins during a way back keeps at least the steps that way back still had (a short
+  one on a long way back does not cut the protection the long one asked for).
 
 Why it does not return at once: an LR too high, or a jump of the LR, is still there when the loss has
 come back down; restored in one step, the next instability follows (measured in
-``bench/protection.py``, README "Protection"). A false alarm costs at most ``recovery_steps`` steps at a
-lower LR, and a clean run whose loss never rises is touched only when ``instability_overshoot`` takes its
+``bench/protection.py``, README "Protection"). A one-step false alarm costs ``recovery_steps`` steps at a
+lower LR (a longer one ``recovery_ratio`` x its length, and one on a way back what that way back had
+left, if more), and a clean run whose loss never rises is touched only when ``instability_overshoot`` takes its
 start for an overshoot (AdamW with no warm-up can look like one: README, "Not there yet").
 
 When the factor begins is :class:`Confirmation`'s to say: at the first accepted step whose own loss shows
@@ -79,6 +82,7 @@ class InstabilityBackoff:
         self.since = 0  # accepted steps since it ended
         self.unstable = False  # the last accepted step was taken during an instability
         self.lasted = 0  # accepted steps the last (or current) instability took its factor on
+        self.carry = 0  # steps the way back it interrupted still had (its way back is at least this long)
 
     def step(self, unstable: bool) -> Optional[float]:
         """Advance by one accepted step; returns its LR factor (``None``: 1, the LR as it is).
@@ -87,14 +91,15 @@ class InstabilityBackoff:
             unstable: The loss trend's verdict for this step.
         """
         if unstable and not self.unstable:  # an instability begins: drop, from where the factor stands
+            left = self.recovery - self.since if self.start < 1.0 else 0  # of a way back it interrupts
             self.start = max(min(self.FLOOR, self.factor), self.in_force * self.factor)
-            self.since, self.lasted = 0, 0
+            self.since, self.lasted, self.carry = 0, 0, left
         if unstable:
             self.lasted += 1
         elif self.start < 1.0:  # recovering: this step is one more of the way back
             self.since += 1
             if self.since >= self.recovery:
-                self.start, self.since, self.lasted = 1.0, 0, 0
+                self.start, self.since, self.lasted, self.carry = 1.0, 0, 0, 0
         self.unstable = bool(unstable)
         f = self.in_force
         return f if f < 1.0 else None
@@ -109,15 +114,17 @@ class InstabilityBackoff:
     @property
     def recovery(self) -> int:
         """Accepted steps the way back from the last instability takes: ``recovery_steps``, or
-        ``recovery_ratio`` times the steps that instability lasted if that is longer."""
-        if self.recovery_ratio is None:
-            return self.recovery_steps
+        ``recovery_ratio`` times the steps that instability lasted if that is longer, or the steps left of
+        the way back it began on (:attr:`carry`) if that is longer still."""
+        if self.recovery_ratio is None:  # (live, what a way back has left is never more than recovery_steps;
+            return self.recovery_steps  # a carry in a state saved with a ratio is read as without one)
         steps = self.recovery_ratio * self.lasted  # a huge ratio (1e308) overflows to inf: never back
-        return max(self.recovery_steps, math.ceil(steps) if steps < self.NEVER else self.NEVER)
+        return max(self.recovery_steps, self.carry, math.ceil(steps) if steps < self.NEVER else self.NEVER)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {"start": self.start, "since": self.since, "unstable": self.unstable, "lasted": self.lasted}
+        return {"start": self.start, "since": self.since, "unstable": self.unstable, "lasted": self.lasted,
+                "carry": self.carry}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value.
@@ -129,6 +136,7 @@ class InstabilityBackoff:
             raise ValueError(f"backoff state must be a dict; got {type(state).__name__}")
         start, since, unstable = state.get("start", 1.0), state.get("since", 0), state.get("unstable", False)
         lasted = state.get("lasted", 0)  # 0 in a state from before recovery_ratio: recovery_steps, as then
+        carry = state.get("carry", 0)  # 0 in a state from before it: the last instability's own length
         if isinstance(start, bool) or not isinstance(start, numbers.Real) or not math.isfinite(start) \
                 or not 0.0 < start <= 1.0:
             raise ValueError(f"backoff start must be a number in (0, 1]; got {start!r}")
@@ -138,9 +146,12 @@ class InstabilityBackoff:
             raise ValueError(f"backoff unstable must be True or False; got {unstable!r}")
         if isinstance(lasted, bool) or not isinstance(lasted, numbers.Integral) or lasted < 0:
             raise ValueError(f"backoff lasted must be an integer >= 0; got {lasted!r}")
-        self.start, self.since, self.unstable, self.lasted = float(start), int(since), unstable, int(lasted)
+        if isinstance(carry, bool) or not isinstance(carry, numbers.Integral) or carry < 0:
+            raise ValueError(f"backoff carry must be an integer >= 0; got {carry!r}")
+        self.start, self.since, self.unstable = float(start), int(since), unstable
+        self.lasted, self.carry = min(int(lasted), self.NEVER), min(int(carry), self.NEVER)
         if self.start >= 1.0 or (not unstable and self.since >= self.recovery):
-            self.start, self.since, self.unstable, self.lasted = 1.0, 0, False, 0
+            self.start, self.since, self.unstable, self.lasted, self.carry = 1.0, 0, False, 0, 0
 
 
 class Confirmation:

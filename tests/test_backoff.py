@@ -254,14 +254,44 @@ def test_recovery_ratio_off_is_the_behaviour_before_it(ratio):
 
 
 def test_recovery_ratio_counts_the_instability_that_compounded():
-    """An instability during the recovery drops from the factor in force and its own length decides the
-    next recovery: two unstable steps x 3 = 6."""
+    """An instability during the recovery drops from the factor in force; when its own length asks for the
+    longer way back, that decides: a one-step instability x 3 = 3 steps back, interrupted after one (2
+    left) by a two-step one, which asks for 2 x 3 = 6."""
     b = InstabilityBackoff(0.5, recovery_steps=2, recovery_ratio=3.0)
-    got = _run(b, [True] * 4 + [False] + [True] * 2 + [False] * 7)
-    # 4 x 3 = 12 steps back from 0.5; one step of it (0.5 + 0.5/12), then a drop to half that for two steps
+    got = _run(b, [True] + [False] + [True] * 2 + [False] * 7)
+    # 1 x 3 = 3 steps back from 0.5; one step of it (0.5 + 0.5/3), then a drop to half that for two steps
+    f = 0.5 * (0.5 + 0.5 / 3)
+    assert got[2:4] == [pytest.approx(f), pytest.approx(f)]
+    assert got[4:] == [pytest.approx(f + (1 - f) * k / 6) for k in range(1, 6)] + [None, None]
+
+
+def test_a_short_instability_on_a_long_way_back_keeps_what_that_way_back_had_left():
+    """Four unstable steps x 3 = 12 steps back; one step of it is taken (11 left) when a two-step
+    instability begins: its own length asks for 6, the way back it interrupted for 11, and 11 it is."""
+    b = InstabilityBackoff(0.5, recovery_steps=2, recovery_ratio=3.0)
+    got = _run(b, [True] * 4 + [False] + [True] * 2 + [False] * 12)
     f = 0.5 * (0.5 + 0.5 / 12)
     assert got[5:7] == [pytest.approx(f), pytest.approx(f)]
-    assert got[7:] == [pytest.approx(f + (1 - f) * k / 6) for k in range(1, 6)] + [None, None]
+    assert got[7:] == [pytest.approx(f + (1 - f) * k / 11) for k in range(1, 11)] + [None, None]
+    assert b.start == 1.0 and b.carry == 0
+
+
+def test_an_instability_after_a_finished_way_back_carries_nothing():
+    b = InstabilityBackoff(0.5, recovery_steps=2, recovery_ratio=3.0)
+    _run(b, [True] * 4 + [False] * 12)  # 12 steps back: over
+    assert b.start == 1.0
+    b.step(True)
+    assert b.carry == 0 and b.recovery == 3
+
+
+def test_without_recovery_ratio_the_carry_changes_nothing():
+    """recovery_steps alone: what a way back has left is never more than recovery_steps, so the factors
+    are those of the rule before the carry (an instability on a way back recovers over recovery_steps)."""
+    b = InstabilityBackoff(0.5, recovery_steps=4)
+    got = _run(b, [True, False, True, False, False, False, False, False])
+    f = 0.5 * 0.625
+    assert got == [0.5, 0.625, f, pytest.approx(f + (1 - f) / 4), pytest.approx(f + (1 - f) / 2),
+                   pytest.approx(f + 3 * (1 - f) / 4), None, None]
 
 
 @pytest.mark.parametrize("cut", range(1, 20))
@@ -288,6 +318,47 @@ def test_a_bad_lasted_is_refused_naming_the_field(lasted):
     b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0)
     with pytest.raises(ValueError, match="backoff lasted must be an integer >= 0; got"):
         b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": lasted})
+
+
+@pytest.mark.parametrize("carry", [-1, 2.5, True, "3", None])
+def test_a_bad_carry_is_refused_naming_the_field(carry):
+    b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0)
+    with pytest.raises(ValueError, match="backoff carry must be an integer >= 0; got"):
+        b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": 2, "carry": carry})
+
+
+def test_a_state_from_before_the_carry_recovers_over_its_own_length():
+    """No ``carry`` in the state (saved before it): the way back is the last instability's own, as the run
+    that saved it had it; numpy's integers load as Python ints."""
+    b = InstabilityBackoff(0.5, recovery_steps=2, recovery_ratio=2.0)
+    b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": 2})
+    assert b.carry == 0 and b.recovery == 4
+    b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": 2, "carry": np.int64(9)})
+    assert type(b.carry) is int and b.recovery == 9
+
+
+def test_a_carry_saved_with_a_ratio_is_none_without_one():
+    """A state saved with the ratio, loaded where it is off: the way back is recovery_steps, as the setting
+    says (the carry and the length are not read)."""
+    b = InstabilityBackoff(0.5, recovery_steps=4)
+    b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": 50, "carry": 1000})
+    assert b.recovery == 4 and _run(b, [False] * 3) == [0.75, 0.875, None]
+
+
+def test_an_instability_on_the_last_step_of_a_way_back_carries_that_step():
+    """Four unstable steps x 2 = 8 back; after 7 of them one is left: a one-step instability then asks for
+    max(3, 2, 1) = 3, so the carry of 1 changes nothing."""
+    b = InstabilityBackoff(0.5, recovery_steps=3, recovery_ratio=2.0)
+    _run(b, [True] * 4 + [False] * 7)
+    assert b.since == 7 and b.recovery == 8
+    b.step(True)
+    assert b.carry == 1 and b.recovery == 3
+
+
+def test_a_huge_lasted_in_a_state_is_capped_not_an_overflow():
+    b = InstabilityBackoff(0.5, recovery_steps=4, recovery_ratio=2.0)
+    b.load_state_dict({"start": 0.5, "since": 1, "unstable": False, "lasted": 10 ** 400, "carry": 10 ** 400})
+    assert b.recovery == InstabilityBackoff.NEVER and b.step(False) < 1.0
 
 
 def test_numpy_lasted_loads_as_a_python_int():
