@@ -136,22 +136,23 @@ class GuardConfig:
 
     instability_lr_recovery: int = 100
     """After a loss instability, the ``instability_lr`` factor ``f`` returns linearly to 1 over this many
-    accepted steps: the k-th step after it takes ``f + (1 - f) * k / instability_lr_recovery`` of the LR
-    (>= 0; 0 or 1: the LR is back in full on the first step after it). An LR too high is still too high
-    when the loss has come back down: restored at once, the next instability follows. The shape of
+    accepted steps, or more after a long one (``instability_lr_recovery_ratio``): the k-th step after it
+    takes ``f + (1 - f) * k / L`` of the LR, ``L`` the way back's length (>= 0; 0 or 1 with the ratio
+    ``None``: the LR is back in full on the first step after it). An LR too high is still too high when
+    the loss has come back down: restored at once, the next instability follows. The shape of
     SPAM's LR backoff, and its default length (``spam_recovery_steps``). Measured in
     ``bench/protection.py`` (README, "Protection")."""
 
-    instability_lr_recovery_ratio: Optional[float] = None
-    """Opt-in: the way back after an instability lasts at least this many times as many accepted steps as
-    the instability took its factor on (``max(instability_lr_recovery, ratio * n)``); the factor during it
-    is unchanged (>= 0; ``None`` or 0: off, ``instability_lr_recovery`` steps whatever its length). The
-    longer the loss stayed up at the lower LR, the more likely the LR itself was the cause, and an LR
-    too high is still too high afterwards; a one-step false alarm (``instability_overshoot`` on a clean
-    run) recovers as without it. Measured on 24 seeds of ``bench/protection.py`` at 20: the LR jumps
-    0.02 (GPT) and 0.18 (CNN) nats better, clean runs, the GPT's too-high LR and attention-logit growth
-    identical, one MLP run with a too-high LR +0.0001 nats (``bench/results/protection.sweep.md``); not
-    the default yet: the README's tables are of the default without it."""
+    instability_lr_recovery_ratio: Optional[float] = 20.0
+    """The way back after an instability lasts at least this many times as many accepted steps as the
+    instability took its factor on (``max(instability_lr_recovery, ratio * n)``); the factor during it is
+    unchanged (>= 0; ``None`` or 0: ``instability_lr_recovery`` steps whatever its length, the rule
+    before it). The longer the loss stayed up at the lower LR, the more likely the LR itself was the
+    cause, and an LR too high is still too high afterwards; a one-step false alarm
+    (``instability_overshoot`` on a clean run) recovers as without it (20 x 1 < 100). An instability
+    that begins on a way back keeps at least the steps that way back had left. Chosen on 24 seeds of
+    ``bench/protection.py`` (5, 10, 20; ``bench/results/protection.sweep.md``) and checked on seeds
+    24-31, not used to choose it (README, "Protection")."""
 
     spike_jump: Optional[float] = 4.0
     """A critical spike must be sudden: besides a ratio over ``spike_threshold``, the layer's norm must be

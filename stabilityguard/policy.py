@@ -48,7 +48,8 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   that step's own norm and loss confirm it (or one awaiting confirmation), so it takes the LR factor at
   once.
   The policy also gives the LR factor of each step it accepts (:attr:`GuardPolicy.lr_factor`,
-  ``instability_lr`` during an instability, back to 1 over ``instability_lr_recovery`` steps after it:
+  ``instability_lr`` during an instability, back to 1 over ``instability_lr_recovery`` steps after it (or
+  ``instability_lr_recovery_ratio`` times its length, if longer):
   :class:`~stabilityguard.backoff.InstabilityBackoff`); the adapter applies it around the wrapped step.
   The LR drops only once an accepted step's own loss is ``instability_z`` noise units above the level the
   instability began from (or, in the first 20 losses, a rise by the early rule's measure:
@@ -184,7 +185,7 @@ class GuardPolicy:
         instability_lr: LR factor of the steps taken during an instability (``None``: none).
         instability_lr_recovery: Accepted steps over which that factor returns to 1 after it.
         instability_lr_recovery_ratio: The way back lasts at least this many times the instability's own
-            length in accepted steps (``None``: ``instability_lr_recovery`` steps always).
+            length in accepted steps (``None`` or 0: ``instability_lr_recovery`` steps always).
         spike_jump: Jump over the last accepted norm a critical spike also needs (``None``: not needed).
         calm_shift_steps: Consistent consecutive spikes, with a calm loss on each, after which a layer's
             new level is accepted (``None``: ``level_shift_steps`` for every run).
@@ -221,7 +222,7 @@ class GuardPolicy:
         instability_rise: Optional[float] = 0.5,
         instability_lr: Optional[float] = 0.25,
         instability_lr_recovery: int = 100,
-        instability_lr_recovery_ratio: Optional[float] = None,
+        instability_lr_recovery_ratio: Optional[float] = 20.0,
         spike_jump: Optional[float] = 4.0,
         calm_shift_steps: Optional[int] = 2,
         early_clip: bool = True,

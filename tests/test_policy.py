@@ -421,8 +421,9 @@ def test_during_an_instability_the_global_norm_is_held_at_its_baseline():
 def test_the_lr_factor_follows_the_instability_and_comes_back_over_the_recovery(kw, factor):
     """lr_factor (what the adapter applies to the step being taken): instability_lr during the instability,
     then back to 1 linearly over instability_lr_recovery accepted steps; None for a clean stretch, a refused
-    step, and without a factor or a trend (graded_response=False, instability_clip=None)."""
-    pol = make(ema_alpha=0.05, instability_lr_recovery=20, **kw)
+    step, and without a factor or a trend (graded_response=False, instability_clip=None). The way back's
+    length without instability_lr_recovery_ratio (its stretch: the ratio tests below)."""
+    pol = make(ema_alpha=0.05, instability_lr_recovery=20, instability_lr_recovery_ratio=None, **kw)
     warm(pol, 60, rng=random.Random(0))
     assert pol.lr_factor is None
     rng, got = random.Random(3), []
@@ -541,7 +542,8 @@ def test_one_heavy_tailed_ordinary_loss_after_bad_batches_does_not_halve_the_lr(
 def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_take_over_its_factor():
     """A natural rise held the LR at a quarter for loss_window steps; it ends on a refused bad batch and the
     next bad batches begin another instability at once: the accepted steps after them recover towards
-    the full LR (the factor of the first instability is not held for the second, unconfirmed one)."""
+    the full LR (the factor of the first instability is not held for the second, unconfirmed one), over
+    instability_lr_recovery_ratio (20) times the first one's length."""
     pol = make(ema_alpha=0.05, instability_lr_recovery=20, loss_window=20)
     rng = random.Random(2)
     warm(pol, 60, rng=rng)
@@ -561,7 +563,9 @@ def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_tak
         _grow(pol, rng, loss=pol.trend.ref - 0.01, factor=2.0, steps=1)
         got.append(pol.lr_factor)
         unstable.append(pol.unstable)
-    assert unstable[0] and got == pytest.approx([0.25 + 0.75 * k / 20 for k in range(1, 9)])
+    n = pol.backoff.recovery
+    assert n == 20 * pol.backoff.lasted >= 20 * 20  # the factor took on the loss_window steps at least
+    assert unstable[0] and got == pytest.approx([0.25 + 0.75 * k / n for k in range(1, 9)])
 
 
 def _bar(pol, bars):
@@ -1199,6 +1203,22 @@ def test_instability_lr_recovery_ratio_stretches_the_way_back_by_the_instability
     assert {f for _, f in got[None][end + 20:]} == {None}  # without the ratio: 20 steps
 
 
+def _factors_resumed_at(fresh, steps, cut):
+    """The LR factors of a warmed policy fed ``steps`` (loss, norm), resumed into a new one (through JSON)
+    before step ``cut``."""
+    a = fresh()
+    warm(a, 60, rng=random.Random(0))
+    got = []
+    for i, (loss, g) in enumerate(steps):
+        if i == cut:
+            b = fresh()
+            b.load_state_dict(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
+            a = b
+        feed(a, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
+        got.append(a.lr_factor)
+    return got
+
+
 @pytest.mark.parametrize("cut", [5, 20, 45, 70])
 def test_a_policy_with_recovery_ratio_resumes_bit_for_bit(cut):
     """The instability's length is saved with the backoff: resumed during the instability or on the way
@@ -1218,14 +1238,39 @@ def test_a_policy_with_recovery_ratio_resumes_bit_for_bit(cut):
         feed(whole, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
         ref.append(whole.lr_factor)
     assert sum(f is not None for f in ref) > 40  # the stretched recovery is in the run
-    a = fresh()
-    warm(a, 60, rng=random.Random(0))
-    got = []
-    for i, (loss, g) in enumerate(steps()):
-        if i == cut:
-            b = fresh()
-            b.load_state_dict(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
-            a = b
-        feed(a, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
-        got.append(a.lr_factor)
-    assert got == ref
+    assert _factors_resumed_at(fresh, steps(), cut) == ref
+
+
+def _long_then_short_rise():
+    """A 25-step rise (the factor takes on about 40 steps: a way back of 4 x 41), 40 calm steps of it, then
+    a 3-step rise: a short instability on a long way back."""
+    rng = random.Random(5)
+    out = [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(25)]
+    out += [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(40)]
+    out += [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(3)]
+    return out + [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(160)]
+
+
+@pytest.mark.parametrize("cut", [66, 70, 80, 120, 200])
+def test_a_short_instability_on_a_long_way_back_keeps_its_length_and_resumes_bit_for_bit(cut):
+    """The second instability's own length asks for 4 x 8 = 32 steps back; the way back it interrupted
+    still had 140: the factor returns over 140 steps (not 32), and a policy resumed before, during or
+    after the second one takes the same factors."""
+    def fresh():
+        return make(ema_alpha=0.05, instability_lr_recovery=10, instability_lr_recovery_ratio=4.0)
+
+    whole = fresh()
+    warm(whole, 60, rng=random.Random(0))
+    ref, trace = [], []
+    for i, (loss, g) in enumerate(_long_then_short_rise()):
+        feed(whole, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
+        ref.append(whole.lr_factor)
+        b = whole.backoff
+        trace.append((whole.unstable, b.lasted, b.carry, b.recovery))
+    second = [i for i, (u, _, carry, _) in enumerate(trace) if u and carry > 0]  # began on the first's way back
+    assert second and 60 < second[0] < 70
+    _, lasted, carry, recovery = trace[second[-1] + 1]  # its way back
+    assert 0 < 4 * lasted < carry == recovery  # the steps the first way back had left decide
+    back = ref[second[-1] + 1:]
+    assert all(f is not None for f in back[:recovery - 1]) and set(back[recovery - 1:]) == {None}
+    assert _factors_resumed_at(fresh, _long_then_short_rise(), cut) == ref

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -35,9 +36,10 @@ CONFIGS = {
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
     "recovery": {},  # the default guard with instability_lr's factor on its way back at the cut (RECOVER)
-    # the same two with the way back stretched by the instability's length (its count is in the checkpoint)
-    "instability_ratio": {"instability_lr_recovery_ratio": 20.0},
-    "recovery_ratio": {"instability_lr_recovery_ratio": 20.0},
+    # the same two with the way back instability_lr_recovery long whatever the instability's length (the
+    # default stretches it, instability_lr_recovery_ratio 20: its counts are in the checkpoint)
+    "instability_no_ratio": {"instability_lr_recovery_ratio": None},
+    "recovery_no_ratio": {"instability_lr_recovery_ratio": None},
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
     "everything": {"nan_action": "rollback", "rollback_interval": 5, "enable_spam": True,
                    "enable_auto_calibration": True, "auto_calibration_warmup_steps": 12, "enable_helene": True,
@@ -116,8 +118,8 @@ OPTIMIZER_FIRST = ["default", "rollback", "helene", "everything"]
 def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     cfg = CONFIGS[name]
     batches = _batches()
-    rise, shift, absent = name in ("instability", "instability_ratio"), name == "calm_shift", name == "layer_set"
-    early, recover = name == "early_instability", name in ("recovery", "recovery_ratio")
+    rise, shift, absent = name in ("instability", "instability_no_ratio"), name == "calm_shift", name == "layer_set"
+    early, recover = name == "early_instability", name in ("recovery", "recovery_no_ratio")
     model, opt = _build(cfg)
     _train(model, opt, batches, 0, STEPS, rise, shift, absent, early, recover)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
@@ -135,8 +137,11 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     assert opt._policy.unstable == (rise or early)  # the instability is under way at the checkpoint
     backoff = opt._policy.backoff  # None without the trend (graded_response=False)
     assert (backoff is not None and backoff.start < 1.0 and backoff.since > 0) == recover  # on its way back
-    if "instability_lr_recovery_ratio" in cfg:  # the instability's length decides: longer than the 100 steps
-        assert backoff.recovery > backoff.recovery_steps if recover else backoff.lasted > 0
+    if recover:  # the instability's length decides (20 x 10 steps: longer than the 100), unless switched off
+        stretched = cfg.get("instability_lr_recovery_ratio", 20.0) is not None
+        assert (backoff.recovery > backoff.recovery_steps) == stretched
+    if rise:
+        assert backoff.lasted > 0
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
     assert (opt._policy.global_layers is not None) == absent  # the global baseline describes a subset
     buf = io.BytesIO()
@@ -219,13 +224,16 @@ def test_helene_resume_is_bit_for_bit_in_other_dtypes(dtype):
 
 
 @pytest.mark.parametrize("cfg, applied", [({}, True), ({"instability_lr": 0.2}, True),
-                                          ({"instability_lr_recovery": 0}, True), ({"instability_lr": None}, False),
-                                          ({"nan_action": "monitor"}, False)])
+                                          ({"instability_lr_recovery": 0, "instability_lr_recovery_ratio": None}, True),
+                                          ({"instability_lr_recovery_ratio": None}, True),
+                                          ({"instability_lr_recovery": 0}, True),
+                                          ({"instability_lr": None}, False), ({"nan_action": "monitor"}, False)])
 def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     """instability_lr: while the loss trend says the run is unstable (the RISE scenario), the wrapped optimizer
     steps with its LR times the factor, and after the instability the factor returns linearly to 1 over
-    instability_lr_recovery steps (0: at once); the scheduler's LR is back after each step (a scheduler never
-    sees the factor), and the flight recorder shows the LR the step used. Off with None and in monitor mode."""
+    max(instability_lr_recovery, instability_lr_recovery_ratio x the steps it took the factor on) steps (both
+    off: at once); the scheduler's LR is back after each step (a scheduler never sees the factor), and the
+    flight recorder shows the LR the step used. Off with None and in monitor mode."""
     batches = _batches()
     model, opt = _build(cfg)
     seen = []  # (LR at the wrapped step, unstable)
@@ -235,9 +243,12 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
         _train(model, opt, batches, step, step + 1, rise=True)
         after.append(opt.param_groups[0]["lr"])
     factor = cfg.get("instability_lr", 0.25) if applied else 1.0
-    recovery = cfg.get("instability_lr_recovery", 100)
     first = next(i for i, (_, u) in enumerate(seen) if u)
     end = max(i for i, (_, u) in enumerate(seen) if u) + 1
+    ratio = cfg.get("instability_lr_recovery_ratio", 20.0) or 0
+    recovery = max(cfg.get("instability_lr_recovery", 100), math.ceil(ratio * (end - first)))
+    if applied:
+        assert opt._policy.backoff.recovery == recovery
     assert all(u for _, u in seen[first:end]) and set(after) == {3e-3}  # one instability; the LR never kept
     assert {lr for lr, _ in seen[:first]} == {3e-3}
     assert {lr for lr, _ in seen[first:end]} == {3e-3 * factor}  # the same float product the guard computes
