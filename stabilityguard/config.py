@@ -107,7 +107,9 @@ class GuardConfig:
     """In the first 20 accepted steps with a loss, a global gradient norm this many times every earlier
     one of them (and, when those vary, over them by more than the square root of their spread, largest
     over smallest), while the loss is not 5% below the mean of its first losses (up to 3), also begins an
-    instability, confirmed by that step: the optimizer overshot at the start of the run (an LR too high,
+    instability, confirmed by that step; so does the first of the 3 steps after such a jump whose loss is
+    not 5% below it, when the jump's own loss still was (the loss answers an overshooting update a step
+    or a few later): the optimizer overshot at the start of the run (an LR too high,
     attention logits growing at a high LR), and the loss alone does not rise enough to say so (> 1;
     ``None``: off). The norms compared are of the same parameters (a parameter's first gradient, a
     parameter group added or a parameter unfrozen starts the comparison again). Positive losses only;

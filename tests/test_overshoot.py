@@ -41,6 +41,41 @@ def test_no_overshoot_while_the_loss_falls_or_the_jump_is_small():
     assert not any(_hits(first, [(1.0, 4.0), (5.0, 4.0)]))
 
 
+def test_a_jump_still_in_progress_overshoots_when_a_loss_of_the_next_steps_shows_none():
+    """The loss answers an overshooting update a step or a few later: the tiny GPT with attention-logit
+    growth (bench/protection.py, seed 32): the norm jumps to 3.53 at step 4 with the loss 7% below its
+    start (4.03), then the loss is back above it two steps later."""
+    o = WarmupOvershoot(ratio=1.5)
+    steps = [(1.26, 4.173), (1.16, 4.012), (1.69, 3.914), (2.28, 3.745), (3.53, 3.757), (3.83, 3.771),
+             (1.79, 4.304)]
+    assert _hits(o, steps) == [False] * 6 + [True]
+    assert o.armed == 0  # the jump was answered: the next step needs a jump of its own
+
+
+def test_the_wait_after_a_jump_lasts_follow_steps_and_a_new_jump_restarts_it():
+    level = [(1.0, 4.0), (1.0, 4.0), (1.0, 3.0)]  # start 3.67: no progress at 3.48 or above
+    late = WarmupOvershoot(ratio=1.5)  # the loss comes back only after FOLLOW steps: not this jump's
+    assert not any(_hits(late, level + [(3.0, 3.0)] + [(1.0, 3.0)] * WarmupOvershoot.FOLLOW + [(1.0, 4.0)]))
+    assert late.armed == 0
+    just = WarmupOvershoot(ratio=1.5)  # the FOLLOW-th step after the jump still counts
+    assert _hits(just, level + [(3.0, 3.0)] + [(1.0, 3.0)] * (WarmupOvershoot.FOLLOW - 1) + [(1.0, 4.0)])[-1]
+    again = WarmupOvershoot(ratio=1.5)  # a second jump (over the first) waits FOLLOW steps from itself
+    hits = _hits(again, level + [(3.0, 3.0), (1.0, 3.0), (6.0, 3.0)] + [(1.0, 3.0)] * 2 + [(1.0, 4.0)])
+    assert hits == [False] * 8 + [True]
+
+
+def test_the_wait_ends_when_the_set_of_parameters_changes_or_the_rule_retires():
+    o = WarmupOvershoot(ratio=1.5)
+    assert not any([o.observe(1.0, 4.0, ["a"]), o.observe(1.0, 4.0, ["a"]), o.observe(3.0, 3.0, ["a"])])
+    assert o.armed == WarmupOvershoot.FOLLOW
+    assert not o.observe(3.0, 4.0, ["a", "b"])  # "b" joined: the jump was of the other set
+    assert o.armed == 0
+    r = WarmupOvershoot(ratio=1.5)
+    _hits(r, [(1.0, 4.0), (1.0, 4.0), (3.0, 3.0)])
+    r.retire()
+    assert r.armed == 0 and r.state_dict()["armed"] == 0
+
+
 def test_noisy_early_norms_need_a_jump_beyond_their_spread():
     """An MLP on a plateau: its first norms vary 10x with a flat loss; a new high by 1.5x is ordinary there."""
     o = WarmupOvershoot(ratio=1.5)
@@ -130,6 +165,27 @@ def test_state_round_trip_continues_like_an_uninterrupted_rule():
         assert b.state_dict() == whole.state_dict()
 
 
+def test_state_round_trip_in_the_wait_after_a_jump_continues_like_an_uninterrupted_rule():
+    steps = [(1.26, 4.173), (1.16, 4.012), (1.69, 3.914), (2.28, 3.745), (3.53, 3.757), (3.83, 3.771),
+             (1.79, 4.304), (1.0, 4.0), (9.0, 3.0), (1.0, 3.0), (1.0, 3.0), (1.0, 3.0), (1.0, 4.3)]
+    whole = WarmupOvershoot(ratio=1.5)
+    ref = [whole.observe(*s) for s in steps]
+    assert ref == [False] * 6 + [True] + [False] * 6  # the second jump's wait ran out before the loss came back
+    for cut in range(len(steps) + 1):
+        a = WarmupOvershoot(ratio=1.5)
+        head = [a.observe(*s) for s in steps[:cut]]
+        b = WarmupOvershoot(ratio=1.5)
+        b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        assert head + [b.observe(*s) for s in steps[cut:]] == ref, cut
+        assert b.state_dict() == whole.state_dict()
+
+
+def test_a_state_from_before_the_wait_loads_with_no_jump_waiting():
+    o = WarmupOvershoot(ratio=1.5)
+    o.load_state_dict({"count": 3, "seen": 3, "start": [4.0, 4.0, 3.0], "high": 3.0, "low": 1.0})
+    assert o.armed == 0 and not o.observe(1.0, 4.0)
+
+
 def test_a_retired_rule_round_trips_and_stays_retired():
     o = WarmupOvershoot(ratio=1.5)
     o.retire()
@@ -156,6 +212,11 @@ def test_a_retired_rule_round_trips_and_stays_retired():
     ({"count": 2, "start": [4.0, 4.0], "high": 10**400, "low": 1.0}, r"overshoot high must be a positive finite"),
     ({"count": 2, "seen": -1, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
     ({"count": 2, "seen": 1.0, "start": [4.0, 4.0], "high": 1.0, "low": 1.0}, r"seen must be an integer in"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "armed": 4}, r"armed must be an integer in \[0, 3\]"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "armed": -1}, r"armed must be an integer in \[0, 3\]; got -1"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "armed": True}, r"armed must be an integer in"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "armed": 1.0}, r"armed must be an integer in"),
+    ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "armed": None}, r"armed must be an integer in"),
     ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": "ab"}, r"layers must be a list of names"),
     ({"count": 2, "start": [4.0, 4.0], "high": 1.0, "low": 1.0, "layers": [1, 2]}, r"layers must be a list of names"),
 ])
@@ -173,6 +234,9 @@ def test_numpy_and_tensor_values_in_a_state_load_as_floats():
                        "high": np.float64(1.5), "low": np.float32(1.0)})
     assert type(o.count) is int and all(type(v) is float for v in [o.high, o.low, *o.start])
     assert o.observe(3.0, 4.0)
+    p = WarmupOvershoot(ratio=1.5)
+    p.load_state_dict({"count": 3, "start": [4.0, 4.0, 3.0], "high": 3.0, "low": 1.0, "armed": np.int64(2)})
+    assert type(p.armed) is int and p.armed == 2 and p.observe(1.0, 4.0)
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -198,6 +262,18 @@ def test_the_policy_begins_a_confirmed_instability_at_the_overshoot():
     assert factors[2] == 0.25  # the overshooting step takes the factor itself: its norm and loss show it
     assert pol.overshoot is not None and pol.overshoot.count == 4
     assert factors[3] is not None and factors[3] < 1.0  # and the steps after it, back over the recovery
+
+
+def test_the_policy_takes_the_factor_at_the_step_whose_loss_answers_a_jump():
+    """The jump's own loss is still 10% below the start: no factor yet; the next step's loss is back at the
+    start: that step begins the instability and takes the factor (its loss shows it, with the jump before)."""
+    pol = _policy()
+    out = []
+    for (a, b), loss in [((1.0, 1.0), 4.0), ((0.9, 0.9), 4.0), ((3.0, 3.0), 3.6), ((1.0, 1.0), 4.0)]:
+        g = math.hypot(a, b)
+        pol.commit(pol.decide([a, b], None, g, loss), [a, b], None, loss, g)
+        out.append(pol.lr_factor)
+    assert out == [None, None, None, 0.25] and pol.unstable
 
 
 @pytest.mark.parametrize("kw", [{"instability_overshoot": None}, {"graded": False}, {"instability_clip": None}])
