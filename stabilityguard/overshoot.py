@@ -10,11 +10,12 @@ steps of its MLP and CNN, while their losses fall). Together they tell them apar
 is not :attr:`WarmupOvershoot.PROGRESS` below its start, is an overshoot; the guard then begins a loss
 instability (the LR factor and the hold, as for a rise of the loss). The loss often answers a step or a
 few later (the norm jumps at once; Adam's momentum carries the large update on): a jump whose own loss
-still shows progress is an overshoot at the first of the next :attr:`WarmupOvershoot.FOLLOW` steps whose
+still shows progress is an overshoot at the first of the next :attr:`WarmupOvershoot.FOLLOW` observed
+steps (accepted, with a finite loss, within the first ``steps``: a jump near their end waits less) whose
 loss shows none (the first 20 steps of plain AdamW in ``bench/protection.py``, 40 seeds: on the tiny GPT
 the rule then fires on 31 runs with a too-high LR instead of 18 and on 32 with attention-logit growth
-instead of 26, the loss at the jump a few percent below its start and above it one to four steps
-later; on the clean runs of all three workloads at the same steps as without the wait, none on the
+instead of 26, the loss at the jump a few percent below its start and no longer 5% below it within
+three steps; on the clean runs of all three workloads at the same steps as without the wait, none on the
 GPT's).
 
 When the early norms already vary a lot from step to step (an MLP on a plateau: 10x), a new high is
@@ -111,7 +112,7 @@ class WarmupOvershoot:
             bar = self.high * max(self.ratio, math.sqrt(self.high / self.low))
             jump = global_norm >= bar
             hit = level > 0 and (jump or armed > 0) and loss >= (1.0 - self.PROGRESS) * level
-            if jump and not hit:
+            if jump and not hit and level > 0:
                 self.armed = self.FOLLOW
             elif hit:
                 self.armed = 0
@@ -121,7 +122,7 @@ class WarmupOvershoot:
         if len(self.start) < self.START:
             self.start.append(float(loss))
         if self.done:  # no longer needed: the checkpoint need not carry every parameter's name
-            self.layers = None
+            self.layers, self.armed = None, 0
         return hit
 
     def retire(self) -> None:
@@ -162,6 +163,11 @@ class WarmupOvershoot:
         armed = state.get("armed", 0)  # 0 in a state from before FOLLOW: no jump waiting
         if isinstance(armed, bool) or not isinstance(armed, numbers.Integral) or not 0 <= armed <= self.FOLLOW:
             raise ValueError(f"overshoot armed must be an integer in [0, {self.FOLLOW}]; got {armed!r}")
+        if armed and count < self.steps:  # a jump at the MIN_SEEN-th norm or later, FOLLOW - armed steps ago
+            low_armed = self.MIN_SEEN + 1 + self.FOLLOW - int(armed)
+            if not start or seen < low_armed:
+                raise ValueError(f"overshoot armed={int(armed)} needs start losses and seen >= {low_armed} (a jump "
+                                 f"{self.FOLLOW - int(armed)} steps ago); got seen={seen!r}, start={start!r}")
         layers = state.get("layers")
         if layers is not None and (not isinstance(layers, (list, tuple))
                                    or not all(isinstance(x, str) for x in layers)):
@@ -177,7 +183,7 @@ class WarmupOvershoot:
         self.high, self.low = (float(high), float(low)) if start else (0.0, math.inf)
         self.layers = None if layers is None else tuple(layers)
         self.start = [float(v) for v in start]
-        self.armed = int(armed) if start else 0
+        self.armed = int(armed) if start and count < self.steps else 0  # done: nothing waits
 
 
 def _scalar(v: Any) -> Any:
