@@ -107,15 +107,12 @@ class WarmupOvershoot:
         self.layers = key
         hit = False
         armed, self.armed = self.armed, max(self.armed - 1, 0)
-        if self.seen >= self.MIN_SEEN:
-            level = sum(self.start) / len(self.start)
-            bar = self.high * max(self.ratio, math.sqrt(self.high / self.low))
-            jump = global_norm >= bar
-            hit = level > 0 and (jump or armed > 0) and loss >= (1.0 - self.PROGRESS) * level
-            if jump and not hit and level > 0:
-                self.armed = self.FOLLOW
-            elif hit:
-                self.armed = 0
+        level = sum(self.start) / len(self.start) if self.start else 0.0
+        if self.seen >= self.MIN_SEEN and level > 0:  # progress is a fraction of a positive start
+            jump = global_norm >= self.high * max(self.ratio, math.sqrt(self.high / self.low))
+            hit = (jump or armed > 0) and loss >= (1.0 - self.PROGRESS) * level
+            if hit or jump:  # answered, or a jump whose own loss still shows progress: wait for it
+                self.armed = 0 if hit else self.FOLLOW
         self.count += 1
         self.seen += 1
         self.high, self.low = max(self.high, global_norm), min(self.low, global_norm)
@@ -183,7 +180,7 @@ class WarmupOvershoot:
         self.high, self.low = (float(high), float(low)) if start else (0.0, math.inf)
         self.layers = None if layers is None else tuple(layers)
         self.start = [float(v) for v in start]
-        self.armed = int(armed) if start and count < self.steps else 0  # done: nothing waits
+        self.armed = int(armed) if count < self.steps else 0  # done: nothing waits (start checked above)
 
 
 def _scalar(v: Any) -> Any:
