@@ -21,7 +21,9 @@ Methods: plain AdamW; ``clip_grad_norm_(1.0)``; ZClip (the zclip package, defaul
 skip rule (our implementation: skip when the loss or the grad norm exceeds the mean + 6 std of the last
 128 steps); AdaGC (our implementation from the paper, bench/peers.py); the stabilityguard 0.3.0 release
 (own virtual environment bench/.venv-sg03, created on first use); ours in its default configuration.
-Variants of ours on request (``--methods``).
+Variants of ours on request (``--methods``). A control on request (``--methods nudge``, never a peer): plain AdamW with
+every gradient scaled by ``1 - 1e-6`` at step 15, whose clean rows show how far a run's end moves when
+anything at all changes (bench/results/protection-nudge.md).
 
 Per run: eval loss (16 held-out batches after training, BatchNorm in eval mode) and its gap to the clean
 plain run of the same workload and seed, training-tail loss, diverged (non-finite weights or loss),
@@ -38,6 +40,7 @@ Usage:
   python bench/protection.py --quick                       # seconds: tiny runs, a few cells
   python bench/protection.py --out bench/results/protection # everything (~15 min on one core)
   python bench/protection.py --workloads gpt --scenarios clean high_lr --seeds 0 1 --methods plain ours
+  python bench/protection.py --from-csv A.csv B.csv --methods plain clip ours --out OUT  # renders, runs nothing
 """
 
 from __future__ import annotations
@@ -383,12 +386,36 @@ class SG03(Method):
         self.opt.close()
 
 
+class Nudged(Method):
+    """A control, not a peer: plain AdamW whose gradients are all scaled by ``1 - NUDGE`` at one step.
+
+    A change a million times smaller than any clip, at ``NUDGE_STEP`` (inside the steps where the
+    guard's clips on the clean CNN and MLP runs fall). Its clean rows measure how far such a run's end
+    moves when anything at all changes: the floor under the "within 0.1% of plain AdamW" target.
+    """
+
+    name = "plain AdamW, nudged (x(1 - 1e-6) at step 15)"
+    short = "plain, nudged"
+    key = "nudge"
+    NUDGE = 1e-6
+    NUDGE_STEP = 15
+
+    def step(self, loss, step):
+        if step == self.NUDGE_STEP:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 - self.NUDGE)
+        self.opt.step()
+        return None
+
+
 PEERS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, AdaGCMethod, SG03]
 OURS: List[type] = [Ours, OursUngraded, OursMonitor, OursSpam, OursCalibrated, OursHelene]
-ALL_METHODS: Dict[str, type] = {m.key: m for m in PEERS + OURS}
+CONTROLS: List[type] = [Nudged]  # neither a peer (never the best peer) nor the guard
+ALL_METHODS: Dict[str, type] = {m.key: m for m in PEERS + OURS + CONTROLS}
 DEFAULT_METHODS = ["plain", "clip", "zclip", "olmo", "adagc", "sg03", "ours"]
 GUARD = Ours.name
-SHORT: Dict[str, str] = {m.name: m.short for m in PEERS + OURS}
+SHORT: Dict[str, str] = {m.name: m.short for m in PEERS + OURS + CONTROLS}
 PEER_NAMES = [m.name for m in PEERS]
 
 # ----------------------------------------------------------------------------------------- a run
@@ -610,6 +637,40 @@ def load_rows(path: Path) -> List[Dict[str, Any]]:
     return rows
 
 
+def select_rows(rows: List[Dict[str, Any]], workloads: Optional[Sequence[str]], scenarios: Optional[Sequence[str]],
+                seeds: Optional[Sequence[int]], fault_seeds: Optional[Sequence[int]],
+                methods: Optional[Sequence[str]]) -> List[Dict[str, Any]]:
+    """The rows of these workloads, scenarios and methods (names), of ``seeds`` for the clean and natural
+    scenarios and ``fault_seeds`` for the injected faults; ``None`` or empty selects everything.
+
+    Example:
+        >>> r = {"workload": "gpt", "scenario": "clean", "seed": 3, "method": "plain"}
+        >>> len(select_rows([r], None, ["clean"], [3], None, ["plain"]))
+        1
+        >>> len(select_rows([r], None, None, [4], None, None))
+        0
+    """
+    def keep(r: Dict[str, Any]) -> bool:
+        wanted = seeds if r["scenario"] == "clean" or r["scenario"] in NATURAL else fault_seeds
+        return ((not workloads or r["workload"] in workloads) and (not scenarios or r["scenario"] in scenarios)
+                and (not wanted or r["seed"] in wanted) and (not methods or r["method"] in methods))
+    return [r for r in rows if keep(r)]
+
+
+def check_unique(rows: List[Dict[str, Any]]) -> None:
+    """Raise ValueError naming a cell (workload, scenario, seed, method) that more than one row holds:
+    CSVs rendered together must not overlap, or a mean would count a run twice."""
+    seen: Dict[Tuple[Any, ...], int] = {}
+    for r in rows:
+        key = (r["workload"], r["scenario"], r["seed"], r["method"])
+        seen[key] = seen.get(key, 0) + 1
+    twice = [k for k, n in seen.items() if n > 1]
+    if twice:
+        w, sc, seed, m = twice[0]
+        raise ValueError(f"{len(twice)} cells are in more than one row, e.g. {w}/{sc}/seed {seed}/{m!r}: "
+                         "the CSVs overlap (render each seed set once)")
+
+
 def reuse(path: Path, triples: List[Tuple[str, str, int]], steps: Dict[str, int],
           skip_methods: Sequence[str]) -> List[Dict[str, Any]]:
     """The rows of ``path`` that belong to this plan (same workload, scenario, seed and steps) and to a
@@ -660,6 +721,7 @@ def aggregate(rows: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], Dict[str
         ok = n_div == 0 and all(g is not None for g in gaps)
         out[key] = {
             "n": len(rs),
+            "by_seed": {r["seed"]: r["eval_loss"] for r in rs},
             "diverged": n_div,
             "eval_mean": statistics.fmean(evals) if n_div == 0 else math.inf,
             "eval_std": statistics.pstdev(evals) if n_div == 0 and len(rs) > 1 else 0.0,
@@ -696,6 +758,22 @@ def _lag(v: Optional[int]) -> str:
     return "-" if v is None else "never" if v == NEVER else str(v)
 
 
+def _paired_se(guard: Dict[str, Any], best: Dict[str, Any]) -> str:
+    """``, paired se 0.0123 over 8 seeds``: the standard error of the guard's per-seed eval loss minus the
+    best peer's, on the seeds both ran (how much of a mean difference the seeds' spread explains);
+    empty with fewer than two such seeds.
+
+    Example:
+        >>> _paired_se({"by_seed": {0: 1.0, 1: 2.0}}, {"by_seed": {0: 1.5, 1: 2.0}})
+        ', paired se 0.2500 over 2 seeds'
+    """
+    seeds = sorted(set(guard["by_seed"]) & set(best["by_seed"]))
+    if len(seeds) < 2:
+        return ""
+    diffs = [guard["by_seed"][k] - best["by_seed"][k] for k in seeds]
+    return f", paired se {statistics.stdev(diffs) / math.sqrt(len(diffs)):.4f} over {len(diffs)} seeds"
+
+
 def targets(agg: Dict[Tuple[str, str, str], Dict[str, Any]], workloads: List[str],
             scenarios: List[str]) -> List[Dict[str, Any]]:
     """Per (workload, scenario): the best peer, the guard, and whether the guard meets issue 11's target."""
@@ -721,6 +799,7 @@ def targets(agg: Dict[Tuple[str, str, str], Dict[str, Any]], workloads: List[str
                 t["met"] = not guard["diverged"] and delta <= 0
                 t["detail"] = ("diverged" if guard["diverged"] else
                                f"{delta:+.4f} nats vs best peer ({100 * delta / best['eval_mean']:+.2f}%)"
+                               f"{_paired_se(guard, best)}"
                                if math.isfinite(best["eval_mean"]) else "best peer diverged")
             elif s == "level_shift":
                 lag = guard["modified_until"]
@@ -879,7 +958,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--out", type=Path, help="write OUT.md, OUT.csv and OUT.png")
     ap.add_argument("--reuse", type=Path, help="take the rows of methods not run now from this CSV (same plan)")
     ap.add_argument("--from-csv", type=Path, nargs="+",
-                    help="run nothing: render the tables (and --out) from these CSVs (rows concatenated)")
+                    help="run nothing: render the tables (and --out) from these CSVs (rows concatenated; "
+                         "--workloads, --scenarios, --seeds, --fault-seeds and --methods select rows; a cell in "
+                         "two rows is refused)")
     ap.add_argument("--worker-sg03", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -897,10 +978,16 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
                 rows += load_rows(path)
         except ValueError as exc:
             ap.error(str(exc))
+        rows = select_rows(rows, args.workloads, args.scenarios, args.seeds, args.fault_seeds,
+                           [ALL_METHODS[k].name for k in args.methods] if args.methods else None)
         if not rows:
-            ap.error(f"{args.from_csv} hold no rows")
+            ap.error(f"{[str(p) for p in args.from_csv]} hold no rows (of this selection)")
+        try:
+            check_unique(rows)
+        except ValueError as exc:
+            ap.error(str(exc))
         names = list(dict.fromkeys(r["method"] for r in rows))
-        order = [m.name for m in PEERS + OURS if m.name in names] + [n for n in names if n not in SHORT]
+        order = [m.name for m in PEERS + OURS + CONTROLS if m.name in names] + [n for n in names if n not in SHORT]
         seeds_seen = sorted({r["seed"] for r in rows if r["scenario"] == "clean"})
         print(finish(rows, args.out, order, seeds_seen))
         return rows
@@ -939,7 +1026,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if old:
         known = {m.name: m.key for m in ALL_METHODS.values()}
         extra = [known.get(m) for m in dict.fromkeys(r["method"] for r in old)]
-        keys_all = [k for k in [m.key for m in PEERS + OURS] if k in keys or k in extra]
+        keys_all = [k for k in [m.key for m in PEERS + OURS + CONTROLS] if k in keys or k in extra]
         order = [ALL_METHODS[k].name for k in keys_all] + [v.name for v in variants]
         rows += [r for r in old if r["method"] in order]
     rows.sort(key=lambda r: (W.WORKLOADS.index(r["workload"]), SCENARIOS.index(r["scenario"]), r["seed"],

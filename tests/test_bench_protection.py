@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import runpy
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -319,3 +320,71 @@ def test_guard_variants_run_beside_the_default(bench):
     names = [r["method"] for r in rows]
     assert names == ["plain", 'ours {"graded_response": false}']
     assert rows[1]["gap_to_clean"] is not None and not rows[1]["diverged"]
+
+
+def _row(bench, **kw):
+    base = dict(workload="gpt", scenario="clean", seed=0, method="plain", steps=40, eval_loss=1.0, final_loss=1.0,
+                diverged=False, skipped=0, clipped=0, recall=None, skip_recall=None, false_skips=0,
+                refused_until=None, modified_until=None, max_attn_logit=None, seconds=1.0)
+    base.update(kw)
+    return base
+
+
+def test_nudge_control_scales_every_gradient_at_one_step_only(bench):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    nudge = bench["Nudged"](model, 0.0, 0.0, "unused")
+    grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(model.parameters())]
+    for step in (14, 15, 16):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        assert nudge.step(torch.tensor(1.0), step) is None  # a control never reports a clip or a skip
+        for p, g in zip(model.parameters(), grads):
+            want = g * (1.0 - 1e-6) if step == nudge.NUDGE_STEP else g
+            assert torch.equal(p.grad, want)
+    assert nudge.NUDGE_STEP == 15 and "nudge" in bench["ALL_METHODS"]
+
+
+def test_a_control_is_never_the_best_peer(bench):
+    nudge = bench["Nudged"].name
+    rows = []
+    for seed in (0, 1):
+        for method in ("plain", nudge, bench["GUARD"]):
+            rows.append(_row(bench, seed=seed, method=method))
+        for method, ev in (("plain", 2.0), ("clip_grad_norm_(1.0)", 1.5), (nudge, 0.5), (bench["GUARD"], 1.4)):
+            rows.append(_row(bench, scenario="high_lr", seed=seed, method=method, eval_loss=ev + 0.1 * seed))
+    text, tg = bench["render"](rows, ["plain", "clip_grad_norm_(1.0)", nudge, bench["GUARD"]], [0, 1])
+    by = {t["scenario"]: t for t in tg}
+    assert by["high_lr"]["best_peer"] == "clip_grad_norm_(1.0)" and by["high_lr"]["met"]
+    assert "-0.1000 nats" in by["high_lr"]["detail"] and "paired se 0.0000 over 2 seeds" in by["high_lr"]["detail"]
+    assert "plain, nudged" in text
+
+
+def test_from_csv_selects_rows_and_refuses_overlapping_files(bench, tmp_path):
+    rows = [_row(bench, seed=s, method=m, eval_loss=1.0 + s) for s in (0, 1) for m in ("plain", bench["GUARD"])]
+    rows += [_row(bench, scenario="nan", seed=0, method=m) for m in ("plain", bench["GUARD"])]
+    bench["finish"]([dict(r) for r in rows], tmp_path / "a", ["plain", bench["GUARD"]], [0, 1])
+    path = str(tmp_path / "a.csv")
+    assert len(bench["main"](["--from-csv", path])) == 6
+    got = bench["main"](["--from-csv", path, "--methods", "plain", "--seeds", "1", "--fault-seeds", "0"])
+    assert [(r["scenario"], r["seed"], r["method"]) for r in got] == [("clean", 1, "plain"), ("nan", 0, "plain")]
+    got = bench["main"](["--from-csv", path, "--scenarios", "clean", "--workloads", "gpt"])
+    assert {r["scenario"] for r in got} == {"clean"} and len(got) == 4
+    with pytest.raises(SystemExit):  # the same cells twice: a mean would count them twice
+        bench["main"](["--from-csv", path, path])
+    with pytest.raises(ValueError, match="seed 0"):
+        bench["check_unique"](rows + rows[:1])
+    with pytest.raises(SystemExit):  # nothing left to render
+        bench["main"](["--from-csv", path, "--methods", "nudge"])
+    with pytest.raises(SystemExit):
+        bench["main"](["--from-csv", path, "--seeds", "x"])
+
+
+def test_paired_se_is_the_standard_error_of_the_per_seed_differences_on_shared_seeds(bench):
+    guard = {"by_seed": {0: 1.0, 1: 2.0, 2: 3.0, 7: 9.0}}
+    best = {"by_seed": {0: 1.5, 1: 2.0, 2: 2.0, 5: 0.0}}  # seeds 7 and 5: in one only, left out
+    diffs = [-0.5, 0.0, 1.0]
+    want = statistics.stdev(diffs) / math.sqrt(3)  # 0.4410 (sample std, not the population one: 0.3600)
+    got = bench["_paired_se"](guard, best)
+    assert got == f", paired se {want:.4f} over 3 seeds" == ", paired se 0.4410 over 3 seeds"
+    assert bench["_paired_se"]({"by_seed": {0: 1.0}}, {"by_seed": {0: 2.0}}) == ""  # one seed: no spread
+    assert bench["_paired_se"]({"by_seed": {0: 1.0}}, {"by_seed": {1: 2.0}}) == ""
