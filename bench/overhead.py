@@ -7,6 +7,18 @@ relative to plain AdamW, and the median time of the optimizer phase alone (step,
 work) minus plain AdamW's, as a percentage of the plain full step (less noisy: forward/backward are
 common to all).
 
+Against ``clip_grad_norm_``, each method is also compared round by round: a round runs every method's
+block once, close in time, so the difference of a method's optimizer phase and clip's in the same round
+leaves out most of a shared machine's drift. Printed per workload: the median of those paired
+differences, its 95% confidence interval (bootstrap over the rounds, seeded), and in how many rounds
+the method was below clip; the verdict is "below" or "above" only when the interval excludes zero,
+"not told apart" otherwise. A difference of two medians (the table) can flip between runs where the
+paired one does not. The same comparison is printed for each method's own work: the optimizer phase
+less the time inside ``AdamW.step()`` itself (timed by a wrapper around the base optimizer's ``step``,
+which the guard calls from its own), so the optimizer's memory-bound update, the same for every
+method and the largest source of spread, is left out; what a method's work does to that update
+(clip's pass over the gradients leaves them in cache for it, say) is then left out too.
+
 Methods:
   plain      AdamW.step()
   floor      one torch._foreach_norm over the grads, then AdamW.step()  (the guard's lower bound)
@@ -22,8 +34,14 @@ Methods:
              interval (tiny-gpt, mlp-64), so every block holds the same number of checks. The power method
              (extra forward/backward passes) is measured in step-equivalents by bench/eos.py.
 
+On glibc the allocator's thresholds are fixed first (``mallopt``: no ``mmap`` per large block, no
+trimming of the heap), as jemalloc or tcmalloc would behave, the allocators commonly recommended for
+PyTorch on CPU: with glibc's defaults every step maps and page-faults fresh memory for the optimizer's
+temporaries (on a 2-core machine 14 of 87 s in the kernel, and a spread of a few percent per block,
+common to all methods); ``--default-malloc`` leaves glibc's defaults.
+
 Usage:
-  python bench/overhead.py            # all four workloads (~12 min on 2 cores)
+  python bench/overhead.py            # all four workloads (~15 min on 2 cores)
   python bench/overhead.py --quick    # fewer rounds, smaller 25M batch (~2 min)
   python bench/overhead.py --csv out.csv
 """
@@ -41,7 +59,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +131,17 @@ class Trainer:
         else:
             self.opt = base
         self.opt_time = 0.0
+        self.inner_time = 0.0  # inside AdamW.step() alone (the guard calls it from its own step)
+        inner = base.step
+
+        def timed_step(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.inner_time += time.perf_counter() - t
+
+        base.step = timed_step  # an instance attribute: torch's step hooks still run inside ``inner``
 
     def step(self, batch) -> None:
         loss = self.loss_fn(self.model, batch)
@@ -132,6 +161,56 @@ class Trainer:
         self.opt_time += time.perf_counter() - t0
 
 
+def steady_malloc() -> bool:
+    """Fix glibc's allocation thresholds (``mallopt``) so large blocks are reused from the heap instead of
+    mapped and page-faulted anew each step. Returns False where it cannot (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    # the largest mmap threshold glibc accepts on 64-bit is 32 MiB (HEAP_MAX / 2); blocks above stay mapped
+    ok = mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024) == 1
+    ok = mallopt(M_TRIM_THRESHOLD, 2 ** 30) == 1 and ok
+    ok = mallopt(M_TOP_PAD, 256 * 1024 * 1024) == 1 and ok
+    return ok
+
+
+def paired(method: Sequence[float], reference: Sequence[float], resamples: int = 2000,
+           seed: int = 0) -> Dict[str, float]:
+    """The round-by-round difference ``method[r] - reference[r]`` (same unit as the inputs): its median,
+    a 95% bootstrap confidence interval of that median (``resamples`` draws of the rounds with
+    replacement, seeded: the same inputs give the same interval), and the number of rounds below zero.
+
+    Example:
+        >>> d = paired([10.0, 12.0, 11.0, 13.0], [11.0, 12.5, 12.0, 12.0])
+        >>> d["median"], d["below"], d["rounds"]
+        (-0.75, 3, 4)
+    """
+    if len(method) != len(reference) or not method:
+        raise ValueError(f"paired: need the same, non-zero number of rounds; got {len(method)} and "
+                         f"{len(reference)}")
+    diffs = [a - b for a, b in zip(method, reference)]
+    rng = random.Random(seed)
+    n = len(diffs)
+    meds = sorted(statistics.median(rng.choices(diffs, k=n)) for _ in range(resamples))
+    lo, hi = meds[int(0.025 * (resamples - 1))], meds[int(round(0.975 * (resamples - 1)))]
+    return {"median": statistics.median(diffs), "ci_low": lo, "ci_high": hi,
+            "below": sum(1 for d in diffs if d < 0), "rounds": n}
+
+
+def verdict(d: Dict[str, float]) -> str:
+    """``below`` / ``above`` when the interval of :func:`paired` excludes zero, ``not told apart`` else."""
+    return "below" if d["ci_high"] < 0 else "above" if d["ci_low"] > 0 else "not told apart"
+
+
 def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0) -> List[dict]:
     torch.manual_seed(seed)
     model, batches, loss_fn = make()
@@ -142,6 +221,7 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
     n_tensors = len(list(model.parameters()))
     full: Dict[str, List[float]] = {m: [] for m in methods}
     opt_phase: Dict[str, List[float]] = {m: [] for m in methods}
+    own: Dict[str, List[float]] = {m: [] for m in methods}  # the optimizer phase less AdamW.step() itself
     rng = random.Random(seed)
     sink = open(os.devnull, "w")
     with contextlib.redirect_stdout(sink):
@@ -153,12 +233,13 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
             rng.shuffle(order)
             for m in order:
                 tr = trainers[m]
-                tr.opt_time = 0.0
+                tr.opt_time = tr.inner_time = 0.0
                 t0 = time.perf_counter()
                 for i in range(block):
                     tr.step(batches[(r * block + i) % len(batches)])
                 full[m].append((time.perf_counter() - t0) / block)
                 opt_phase[m].append(tr.opt_time / block)
+                own[m].append((tr.opt_time - tr.inner_time) / block)
     for m in [g for g in GUARDS if g in trainers]:
         c = trainers[m].opt.counters
         assert c.spikes == 0 and c.nonfinite == 0, f"{m}: unexpected spike in the benchmark ({c})"
@@ -169,6 +250,8 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
     for m in methods:
         med_full = statistics.median(full[m])
         med_opt = statistics.median(opt_phase[m])
+        vs = paired(opt_phase[m], opt_phase["clip"])  # per round: this method's block minus clip's
+        vs_own = paired(own[m], own["clip"])
         rows.append({
             "workload": name,
             "params": n_params,
@@ -178,6 +261,16 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
             "ratio_vs_plain": med_full / plain_full,
             "added_ms": (med_opt - plain_opt) * 1e3,
             "added_pct_of_step": 100.0 * (med_opt - plain_opt) / plain_full,
+            "vs_clip_us": vs["median"] * 1e6,
+            "vs_clip_ci_low_us": vs["ci_low"] * 1e6,
+            "vs_clip_ci_high_us": vs["ci_high"] * 1e6,
+            "rounds_below_clip": vs["below"],
+            "rounds": vs["rounds"],
+            "own_us": statistics.median(own[m]) * 1e6,
+            "own_vs_clip_us": vs_own["median"] * 1e6,
+            "own_vs_clip_ci_low_us": vs_own["ci_low"] * 1e6,
+            "own_vs_clip_ci_high_us": vs_own["ci_high"] * 1e6,
+            "own_rounds_below_clip": vs_own["below"],
         })
     return rows
 
@@ -188,13 +281,16 @@ def main(argv=None) -> List[dict]:
     ap.add_argument("--only", nargs="*", help="workloads to run (tiny-gpt, gpt-25m, mlp-64, cnn-bn)")
     ap.add_argument("--csv", help="also write the rows to this CSV file")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's allocation thresholds (default: fixed with mallopt, see the docstring)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    plan = {  # rounds, steps per block, warm-up steps
-        "tiny-gpt": (30, 20, 30) if not args.quick else (10, 10, 20),
-        "gpt-25m": (8, 3, 3) if not args.quick else (4, 2, 2),
-        "mlp-64": (30, 20, 30) if not args.quick else (10, 10, 20),
-        "cnn-bn": (20, 10, 20) if not args.quick else (6, 10, 20),
+    steady = False if args.default_malloc else steady_malloc()
+    plan = {  # rounds, steps per block, warm-up steps (many short rounds: the pairs are close in time)
+        "tiny-gpt": (60, 10, 30) if not args.quick else (10, 10, 20),
+        "gpt-25m": (12, 2, 3) if not args.quick else (4, 2, 2),
+        "mlp-64": (60, 10, 30) if not args.quick else (10, 10, 20),
+        "cnn-bn": (30, 10, 20) if not args.quick else (6, 10, 20),
     }
     rows: List[dict] = []
     for name, make in workloads(args.quick).items():
@@ -203,7 +299,8 @@ def main(argv=None) -> List[dict]:
         rounds, block, warmup = plan[name]
         rows += measure(name, make, rounds, block, warmup)
     print(f"# stabilityguard overhead — torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{args.threads} thread(s){' (quick)' if args.quick else ''}")
+          f"{args.threads} thread(s){' (quick)' if args.quick else ''}, "
+          f"{'malloc thresholds fixed (mallopt)' if steady else 'default malloc'}")
     print("| workload | params | method | step (ms) | full-step ratio vs plain | added by method (% of plain step) |")
     print("|---|---:|---|---:|---:|---:|")
     for r in rows:
@@ -213,8 +310,25 @@ def main(argv=None) -> List[dict]:
         by = {r["method"]: r for r in rows if r["workload"] == name}
         floor, clip, guard = (by[m]["added_pct_of_step"] for m in ("floor", "clip", "guard"))
         limit = max(1.5 * floor, floor + 1.5)
-        print(f"{name}: guard {guard:+.2f}% vs clip_grad_norm_ {clip:+.2f}% and limit max(1.5 x floor, floor + 1.5) "
-              f"= {limit:.2f}% -> {'OK' if guard < clip and guard <= limit else 'OVER TARGET'}")
+        g = by["guard"]
+        own_verdict = verdict({"median": g["own_vs_clip_us"], "ci_low": g["own_vs_clip_ci_low_us"],
+                               "ci_high": g["own_vs_clip_ci_high_us"]})
+        print(f"{name}: targets: guard below clip_grad_norm_ (paired, own work) -> {own_verdict}; guard "
+              f"{guard:+.2f}% within max(1.5 x floor, floor + 1.5) = {limit:.2f}% (medians, optimizer phase) -> "
+              f"{'yes' if guard <= limit else 'no'} (clip {clip:+.2f}%)")
+        plain_ms = by["plain"]["step_ms"]
+        for m in ("guard", "guard-bare"):
+            r = by[m]
+            for what, key in (("optimizer phase", ""), ("own work (less AdamW.step)", "own_")):
+                d = {"median": r[f"{key}vs_clip_us"], "ci_low": r[f"{key}vs_clip_ci_low_us"],
+                     "ci_high": r[f"{key}vs_clip_ci_high_us"]}
+                below = r[f"{key}rounds_below_clip"]
+                print(f"{name}: {m} - clip_grad_norm_, {what}, paired by round: median {d['median']:+.0f} us "
+                      f"({100 * d['median'] / (1e3 * plain_ms):+.2f}% of the plain step), 95% CI "
+                      f"[{d['ci_low']:+.0f}, {d['ci_high']:+.0f}] us, below clip in {below} of {r['rounds']} "
+                      f"rounds -> {verdict(d)}")
+        print(f"{name}: own work per step (median, less AdamW.step): " + ", ".join(
+            f"{m} {by[m]['own_us']:.0f} us" for m in ("plain", "floor", "clip", "guard", "guard-bare")))
         bare, nobuf, seed = (by[m]["added_pct_of_step"] for m in ("guard-bare", "guard-nobuf", "guard-seed"))
         print(f"{name}: buffer tracking {bare - nobuf:+.2f} points (target <= +0.5), graded response "
               f"{bare - seed:+.2f} points over the original decision")
