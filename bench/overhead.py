@@ -12,12 +12,15 @@ block once, close in time, so the difference of a method's optimizer phase and c
 leaves out most of a shared machine's drift. Printed per workload: the median of those paired
 differences, its 95% confidence interval (bootstrap over the rounds, seeded), and in how many rounds
 the method was below clip; the verdict is "below" or "above" only when the interval excludes zero,
-"not told apart" otherwise. A difference of two medians (the table) can flip between runs where the
-paired one does not. The same comparison is printed for each method's own work: the optimizer phase
-less the time inside ``AdamW.step()`` itself (timed by a wrapper around the base optimizer's ``step``,
-which the guard calls from its own), so the optimizer's memory-bound update, the same for every
-method and the largest source of spread, is left out; what a method's work does to that update
-(clip's pass over the gradients leaves them in cache for it, say) is then left out too.
+"not told apart" otherwise, and none under 8 rounds (``--quick``'s 23M GPT and CNN: "too few
+rounds"). A difference of two medians (the table) can flip between runs where the paired one does
+not. The whole optimizer phase is the comparison that counts. Two parts of it are compared the same
+way: the time inside ``AdamW.step()`` itself (timed by a wrapper around the base optimizer's
+``step``, which the guard calls from its own), and each method's own work, the optimizer phase less
+that. The update is not the same for every method: after a method that writes the gradients (clip's
+scaling, HELENE's), most likely because they are then in cache, it measured faster than after one
+that only reads them (the floor, the guard). So own work alone favours the methods that only read;
+it is printed beside the update's difference, never on its own.
 
 Methods:
   plain      AdamW.step()
@@ -31,18 +34,21 @@ Methods:
   guard+helene  guard-bare with enable_helene=True (per-layer clipping from Adam's second moments)
   guard+eos-secant  guard-bare with enable_edge_of_stability=True, eos_method="secant" (curvature along the
              update every 10 steps, no extra passes); only where a block is a multiple of the 10-step
-             interval (tiny-gpt, mlp-64), so every block holds the same number of checks. The power method
+             interval (tiny-gpt, mlp-64, cnn-bn), so every block holds the same number of checks. The power method
              (extra forward/backward passes) is measured in step-equivalents by bench/eos.py.
 
-On glibc the allocator's thresholds are fixed first (``mallopt``: no ``mmap`` per large block, no
-trimming of the heap), as jemalloc or tcmalloc would behave, the allocators commonly recommended for
-PyTorch on CPU: with glibc's defaults every step maps and page-faults fresh memory for the optimizer's
-temporaries (on a 2-core machine 14 of 87 s in the kernel, and a spread of a few percent per block,
-common to all methods); ``--default-malloc`` leaves glibc's defaults.
+On glibc the allocator's thresholds are fixed first (``mallopt``: blocks up to 32 MiB from the heap
+instead of a fresh ``mmap`` each, no trimming of the heap), roughly as jemalloc or tcmalloc keep
+memory, the allocators often recommended for PyTorch on CPU. With glibc's defaults the optimizer's
+temporaries are mapped and page-faulted anew every step (``time python bench/overhead.py --quick
+--only tiny-gpt cnn-bn`` on a 2-core AMD EPYC: 13.9 s of 87 s in the kernel, 0.8 s with the
+thresholds fixed), which adds spread to every block; most pip installs run with glibc's defaults, so
+their steps may cost more than these figures, for every method. ``--default-malloc`` keeps glibc's
+defaults.
 
 Usage:
   python bench/overhead.py            # all four workloads (~15 min on 2 cores)
-  python bench/overhead.py --quick    # fewer rounds, smaller 25M batch (~2 min)
+  python bench/overhead.py --quick    # fewer rounds, smaller 25M batch (~3 min)
   python bench/overhead.py --csv out.csv
 """
 
@@ -59,7 +65,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +138,7 @@ class Trainer:
             self.opt = base
         self.opt_time = 0.0
         self.inner_time = 0.0  # inside AdamW.step() alone (the guard calls it from its own step)
+        self.inner_calls = 0
         inner = base.step
 
         def timed_step(*args, **kwargs):
@@ -140,6 +147,7 @@ class Trainer:
                 return inner(*args, **kwargs)
             finally:
                 self.inner_time += time.perf_counter() - t
+                self.inner_calls += 1
 
         base.step = timed_step  # an instance attribute: torch's step hooks still run inside ``inner``
 
@@ -161,26 +169,26 @@ class Trainer:
         self.opt_time += time.perf_counter() - t0
 
 
-def steady_malloc() -> bool:
+MALLOPT = (("M_MMAP_THRESHOLD", -3, 32 * 1024 * 1024),  # glibc's largest on 64-bit (HEAP_MAX / 2)
+           ("M_TRIM_THRESHOLD", -1, 2 ** 30),
+           ("M_TOP_PAD", -2, 256 * 1024 * 1024))
+
+
+def steady_malloc() -> Optional[List[str]]:
     """Fix glibc's allocation thresholds (``mallopt``) so large blocks are reused from the heap instead of
-    mapped and page-faulted anew each step. Returns False where it cannot (not glibc)."""
+    mapped and page-faulted anew each step. Returns the names of the settings that took (``[]``: none
+    did), or ``None`` where there is no ``mallopt`` (not glibc)."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-    # the largest mmap threshold glibc accepts on 64-bit is 32 MiB (HEAP_MAX / 2); blocks above stay mapped
-    ok = mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024) == 1
-    ok = mallopt(M_TRIM_THRESHOLD, 2 ** 30) == 1 and ok
-    ok = mallopt(M_TOP_PAD, 256 * 1024 * 1024) == 1 and ok
-    return ok
+        return None
+    return [label for label, param, value in MALLOPT if mallopt(param, value) == 1]
 
 
 def paired(method: Sequence[float], reference: Sequence[float], resamples: int = 2000,
@@ -201,13 +209,21 @@ def paired(method: Sequence[float], reference: Sequence[float], resamples: int =
     rng = random.Random(seed)
     n = len(diffs)
     meds = sorted(statistics.median(rng.choices(diffs, k=n)) for _ in range(resamples))
-    lo, hi = meds[int(0.025 * (resamples - 1))], meds[int(round(0.975 * (resamples - 1)))]
-    return {"median": statistics.median(diffs), "ci_low": lo, "ci_high": hi,
+    k = int(0.025 * resamples)  # as many resamples cut off at each end
+    return {"median": statistics.median(diffs), "ci_low": meds[k], "ci_high": meds[resamples - 1 - k],
             "below": sum(1 for d in diffs if d < 0), "rounds": n}
 
 
+# fewer rounds: a bootstrap interval of the median is too narrow (in a simulation with no true difference,
+# 13% false verdicts at 4 rounds, about the nominal 5% from 6 on; 8 leaves a margin)
+MIN_ROUNDS = 8
+
+
 def verdict(d: Dict[str, float]) -> str:
-    """``below`` / ``above`` when the interval of :func:`paired` excludes zero, ``not told apart`` else."""
+    """``below`` / ``above`` when the interval of :func:`paired` excludes zero, ``not told apart`` else, and
+    ``too few rounds`` under :data:`MIN_ROUNDS` (``rounds`` missing: not checked)."""
+    if d.get("rounds", MIN_ROUNDS) < MIN_ROUNDS:
+        return "too few rounds"
     return "below" if d["ci_high"] < 0 else "above" if d["ci_low"] > 0 else "not told apart"
 
 
@@ -222,6 +238,7 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
     full: Dict[str, List[float]] = {m: [] for m in methods}
     opt_phase: Dict[str, List[float]] = {m: [] for m in methods}
     own: Dict[str, List[float]] = {m: [] for m in methods}  # the optimizer phase less AdamW.step() itself
+    update: Dict[str, List[float]] = {m: [] for m in methods}  # inside AdamW.step()
     rng = random.Random(seed)
     sink = open(os.devnull, "w")
     with contextlib.redirect_stdout(sink):
@@ -240,6 +257,7 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
                 full[m].append((time.perf_counter() - t0) / block)
                 opt_phase[m].append(tr.opt_time / block)
                 own[m].append((tr.opt_time - tr.inner_time) / block)
+                update[m].append(tr.inner_time / block)
     for m in [g for g in GUARDS if g in trainers]:
         c = trainers[m].opt.counters
         assert c.spikes == 0 and c.nonfinite == 0, f"{m}: unexpected spike in the benchmark ({c})"
@@ -252,6 +270,7 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
         med_opt = statistics.median(opt_phase[m])
         vs = paired(opt_phase[m], opt_phase["clip"])  # per round: this method's block minus clip's
         vs_own = paired(own[m], own["clip"])
+        vs_update = paired(update[m], update["clip"])
         rows.append({
             "workload": name,
             "params": n_params,
@@ -271,6 +290,11 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
             "own_vs_clip_ci_low_us": vs_own["ci_low"] * 1e6,
             "own_vs_clip_ci_high_us": vs_own["ci_high"] * 1e6,
             "own_rounds_below_clip": vs_own["below"],
+            "update_us": statistics.median(update[m]) * 1e6,
+            "update_vs_clip_us": vs_update["median"] * 1e6,
+            "update_vs_clip_ci_low_us": vs_update["ci_low"] * 1e6,
+            "update_vs_clip_ci_high_us": vs_update["ci_high"] * 1e6,
+            "update_rounds_below_clip": vs_update["below"],
         })
     return rows
 
@@ -285,7 +309,7 @@ def main(argv=None) -> List[dict]:
                     help="keep glibc's allocation thresholds (default: fixed with mallopt, see the docstring)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    steady = False if args.default_malloc else steady_malloc()
+    steady = None if args.default_malloc else steady_malloc()
     plan = {  # rounds, steps per block, warm-up steps (many short rounds: the pairs are close in time)
         "tiny-gpt": (60, 10, 30) if not args.quick else (10, 10, 20),
         "gpt-25m": (12, 2, 3) if not args.quick else (4, 2, 2),
@@ -300,7 +324,8 @@ def main(argv=None) -> List[dict]:
         rows += measure(name, make, rounds, block, warmup)
     print(f"# stabilityguard overhead — torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{args.threads} thread(s){' (quick)' if args.quick else ''}, "
-          f"{'malloc thresholds fixed (mallopt)' if steady else 'default malloc'}")
+          f"{'default malloc' if not steady else 'malloc: ' + ', '.join(steady) + ' set (mallopt)'}"
+          f"{'' if not steady or len(steady) == len(MALLOPT) else ' (not all of them took)'}")
     print("| workload | params | method | step (ms) | full-step ratio vs plain | added by method (% of plain step) |")
     print("|---|---:|---|---:|---:|---:|")
     for r in rows:
@@ -311,24 +336,26 @@ def main(argv=None) -> List[dict]:
         floor, clip, guard = (by[m]["added_pct_of_step"] for m in ("floor", "clip", "guard"))
         limit = max(1.5 * floor, floor + 1.5)
         g = by["guard"]
-        own_verdict = verdict({"median": g["own_vs_clip_us"], "ci_low": g["own_vs_clip_ci_low_us"],
-                               "ci_high": g["own_vs_clip_ci_high_us"]})
-        print(f"{name}: targets: guard below clip_grad_norm_ (paired, own work) -> {own_verdict}; guard "
-              f"{guard:+.2f}% within max(1.5 x floor, floor + 1.5) = {limit:.2f}% (medians, optimizer phase) -> "
-              f"{'yes' if guard <= limit else 'no'} (clip {clip:+.2f}%)")
+        phase_verdict = verdict({"median": g["vs_clip_us"], "ci_low": g["vs_clip_ci_low_us"],
+                                 "ci_high": g["vs_clip_ci_high_us"], "rounds": g["rounds"]})
+        print(f"{name}: targets: guard below clip_grad_norm_ (paired, optimizer phase) -> {phase_verdict}; "
+              f"guard {guard:+.2f}% within max(1.5 x floor, floor + 1.5) = {limit:.2f}% (two medians, "
+              f"optimizer phase) -> {'yes' if guard <= limit else 'no'} (clip {clip:+.2f}%)")
         plain_ms = by["plain"]["step_ms"]
         for m in ("guard", "guard-bare"):
             r = by[m]
-            for what, key in (("optimizer phase", ""), ("own work (less AdamW.step)", "own_")):
+            for what, key in (("optimizer phase", ""), ("of it inside AdamW.step", "update_"),
+                              ("of it own work (the rest)", "own_")):
                 d = {"median": r[f"{key}vs_clip_us"], "ci_low": r[f"{key}vs_clip_ci_low_us"],
-                     "ci_high": r[f"{key}vs_clip_ci_high_us"]}
+                     "ci_high": r[f"{key}vs_clip_ci_high_us"], "rounds": r["rounds"]}
                 below = r[f"{key}rounds_below_clip"]
                 print(f"{name}: {m} - clip_grad_norm_, {what}, paired by round: median {d['median']:+.0f} us "
                       f"({100 * d['median'] / (1e3 * plain_ms):+.2f}% of the plain step), 95% CI "
                       f"[{d['ci_low']:+.0f}, {d['ci_high']:+.0f}] us, below clip in {below} of {r['rounds']} "
                       f"rounds -> {verdict(d)}")
-        print(f"{name}: own work per step (median, less AdamW.step): " + ", ".join(
-            f"{m} {by[m]['own_us']:.0f} us" for m in ("plain", "floor", "clip", "guard", "guard-bare")))
+        print(f"{name}: per step (medians): inside AdamW.step / own work: " + ", ".join(
+            f"{m} {by[m]['update_us']:.0f} / {by[m]['own_us']:.0f} us"
+            for m in ("plain", "floor", "clip", "guard", "guard-bare")))
         bare, nobuf, seed = (by[m]["added_pct_of_step"] for m in ("guard-bare", "guard-nobuf", "guard-seed"))
         print(f"{name}: buffer tracking {bare - nobuf:+.2f} points (target <= +0.5), graded response "
               f"{bare - seed:+.2f} points over the original decision")
