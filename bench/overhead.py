@@ -268,10 +268,7 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
     for m in methods:
         med_full = statistics.median(full[m])
         med_opt = statistics.median(opt_phase[m])
-        vs = paired(opt_phase[m], opt_phase["clip"])  # per round: this method's block minus clip's
-        vs_own = paired(own[m], own["clip"])
-        vs_update = paired(update[m], update["clip"])
-        rows.append({
+        row = {
             "workload": name,
             "params": n_params,
             "tensors": n_tensors,
@@ -280,23 +277,26 @@ def measure(name: str, make, rounds: int, block: int, warmup: int, seed: int = 0
             "ratio_vs_plain": med_full / plain_full,
             "added_ms": (med_opt - plain_opt) * 1e3,
             "added_pct_of_step": 100.0 * (med_opt - plain_opt) / plain_full,
-            "vs_clip_us": vs["median"] * 1e6,
-            "vs_clip_ci_low_us": vs["ci_low"] * 1e6,
-            "vs_clip_ci_high_us": vs["ci_high"] * 1e6,
-            "rounds_below_clip": vs["below"],
-            "rounds": vs["rounds"],
-            "own_us": statistics.median(own[m]) * 1e6,
-            "own_vs_clip_us": vs_own["median"] * 1e6,
-            "own_vs_clip_ci_low_us": vs_own["ci_low"] * 1e6,
-            "own_vs_clip_ci_high_us": vs_own["ci_high"] * 1e6,
-            "own_rounds_below_clip": vs_own["below"],
-            "update_us": statistics.median(update[m]) * 1e6,
-            "update_vs_clip_us": vs_update["median"] * 1e6,
-            "update_vs_clip_ci_low_us": vs_update["ci_low"] * 1e6,
-            "update_vs_clip_ci_high_us": vs_update["ci_high"] * 1e6,
-            "update_rounds_below_clip": vs_update["below"],
-        })
+        }
+        # per round, this method's block minus clip's: the whole phase ("") and its two parts
+        for part, series in (("", opt_phase), ("own_", own), ("update_", update)):  # the CSV's order
+            if part:
+                row[f"{part}us"] = statistics.median(series[m]) * 1e6
+            d = paired(series[m], series["clip"])
+            row.update({f"{part}vs_clip_us": d["median"] * 1e6, f"{part}vs_clip_ci_low_us": d["ci_low"] * 1e6,
+                        f"{part}vs_clip_ci_high_us": d["ci_high"] * 1e6, f"{part}rounds_below_clip": d["below"]})
+            if not part:
+                row["rounds"] = d["rounds"]
+        rows.append(row)
     return rows
+
+
+def vs_clip(row: dict, part: str = "") -> Dict[str, float]:
+    """One row's paired comparison with clip, ``part`` ``""`` (the whole phase), ``"own_"`` or ``"update_"``,
+    as :func:`paired` returns it (times in us), for :func:`verdict`."""
+    return {"median": row[f"{part}vs_clip_us"], "ci_low": row[f"{part}vs_clip_ci_low_us"],
+            "ci_high": row[f"{part}vs_clip_ci_high_us"], "below": row[f"{part}rounds_below_clip"],
+            "rounds": row["rounds"]}
 
 
 def main(argv=None) -> List[dict]:
@@ -335,9 +335,7 @@ def main(argv=None) -> List[dict]:
         by = {r["method"]: r for r in rows if r["workload"] == name}
         floor, clip, guard = (by[m]["added_pct_of_step"] for m in ("floor", "clip", "guard"))
         limit = max(1.5 * floor, floor + 1.5)
-        g = by["guard"]
-        phase_verdict = verdict({"median": g["vs_clip_us"], "ci_low": g["vs_clip_ci_low_us"],
-                                 "ci_high": g["vs_clip_ci_high_us"], "rounds": g["rounds"]})
+        phase_verdict = verdict(vs_clip(by["guard"]))
         print(f"{name}: targets: guard below clip_grad_norm_ (paired, optimizer phase) -> {phase_verdict}; "
               f"guard {guard:+.2f}% within max(1.5 x floor, floor + 1.5) = {limit:.2f}% (two medians, "
               f"optimizer phase) -> {'yes' if guard <= limit else 'no'} (clip {clip:+.2f}%)")
@@ -346,12 +344,10 @@ def main(argv=None) -> List[dict]:
             r = by[m]
             for what, key in (("optimizer phase", ""), ("of it inside AdamW.step", "update_"),
                               ("of it own work (the rest)", "own_")):
-                d = {"median": r[f"{key}vs_clip_us"], "ci_low": r[f"{key}vs_clip_ci_low_us"],
-                     "ci_high": r[f"{key}vs_clip_ci_high_us"], "rounds": r["rounds"]}
-                below = r[f"{key}rounds_below_clip"]
+                d = vs_clip(r, key)
                 print(f"{name}: {m} - clip_grad_norm_, {what}, paired by round: median {d['median']:+.0f} us "
                       f"({100 * d['median'] / (1e3 * plain_ms):+.2f}% of the plain step), 95% CI "
-                      f"[{d['ci_low']:+.0f}, {d['ci_high']:+.0f}] us, below clip in {below} of {r['rounds']} "
+                      f"[{d['ci_low']:+.0f}, {d['ci_high']:+.0f}] us, below clip in {d['below']} of {d['rounds']} "
                       f"rounds -> {verdict(d)}")
         print(f"{name}: per step (medians): inside AdamW.step / own work: " + ", ".join(
             f"{m} {by[m]['update_us']:.0f} / {by[m]['own_us']:.0f} us"

@@ -412,10 +412,11 @@ class Nudged(Method):
 PEERS: List[type] = [Method, Clip, ZClipMethod, OlmoSkip, AdaGCMethod, SG03]
 OURS: List[type] = [Ours, OursUngraded, OursMonitor, OursSpam, OursCalibrated, OursHelene]
 CONTROLS: List[type] = [Nudged]  # neither a peer (never the best peer) nor the guard
-ALL_METHODS: Dict[str, type] = {m.key: m for m in PEERS + OURS + CONTROLS}
+METHOD_CLASSES: List[type] = PEERS + OURS + CONTROLS  # every method, in the tables' order
+ALL_METHODS: Dict[str, type] = {m.key: m for m in METHOD_CLASSES}
 DEFAULT_METHODS = ["plain", "clip", "zclip", "olmo", "adagc", "sg03", "ours"]
 GUARD = Ours.name
-SHORT: Dict[str, str] = {m.name: m.short for m in PEERS + OURS + CONTROLS}
+SHORT: Dict[str, str] = {m.name: m.short for m in METHOD_CLASSES}
 PEER_NAMES = [m.name for m in PEERS]
 
 # ----------------------------------------------------------------------------------------- a run
@@ -987,7 +988,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         except ValueError as exc:
             ap.error(str(exc))
         names = list(dict.fromkeys(r["method"] for r in rows))
-        order = [m.name for m in PEERS + OURS + CONTROLS if m.name in names] + [n for n in names if n not in SHORT]
+        order = [m.name for m in METHOD_CLASSES if m.name in names] + [n for n in names if n not in SHORT]
         seeds_seen = sorted({r["seed"] for r in rows if r["scenario"] == "clean"})
         print(finish(rows, args.out, order, seeds_seen))
         return rows
@@ -1026,7 +1027,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if old:
         known = {m.name: m.key for m in ALL_METHODS.values()}
         extra = [known.get(m) for m in dict.fromkeys(r["method"] for r in old)]
-        keys_all = [k for k in [m.key for m in PEERS + OURS + CONTROLS] if k in keys or k in extra]
+        keys_all = [k for k in [m.key for m in METHOD_CLASSES] if k in keys or k in extra]
         order = [ALL_METHODS[k].name for k in keys_all] + [v.name for v in variants]
         rows += [r for r in old if r["method"] in order]
     rows.sort(key=lambda r: (W.WORKLOADS.index(r["workload"]), SCENARIOS.index(r["scenario"]), r["seed"],
