@@ -118,6 +118,24 @@ def test_unusable_records_are_skipped_with_file_and_line(tmp_path):
     assert run.steps["step"].tolist() == [19, 29, 39, 49, 59]
 
 
+def test_a_run_seen_only_in_skipped_records_is_not_a_run(tmp_path, capsys):
+    """A skipped record of a run id nothing else names (here: none, so "unknown") is reported, and that id is
+    neither loaded as an empty run nor offered by the CLI as another run to pick."""
+    recs = golden_lines()
+    lines = [json.dumps(r) for r in recs]
+    lines.insert(3, json.dumps({"kind": "action", "action": "clip", "step": None}))  # no run_id
+    lines.insert(4, json.dumps({"kind": "spike", "run_id": "ghost", "step": "7"}))
+    path = write(tmp_path, lines)
+    runs = load_runs(tmp_path)
+    assert list(runs) == ["golden-run"]
+    msgs = problems_of(runs["golden-run"])
+    assert f"{path}:4: action: 'step' is null None, expected an integer: record skipped" in msgs
+    assert any(m.startswith(f"{path}:5: spike") and "skipped" in m for m in msgs)
+    assert cli_main(["report", str(tmp_path), "-o", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr()
+    assert "report of run golden-run" in out.out + out.err and "other runs here" not in out.out + out.err
+
+
 def test_broken_spike_reports(tmp_path):
     shutil.copy(GOLDEN, tmp_path / GOLDEN.name)
     (tmp_path / "spike_step21.json").write_text("[]")

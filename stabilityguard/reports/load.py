@@ -1193,10 +1193,13 @@ def load_runs(*paths: PathLike, max_line_bytes: int = MAX_LINE_BYTES,
             if type(rid) is not str:
                 _report(f"'run_id' is {_type_name(rid)} {_short(rid)}, expected a string: record skipped")
                 return
+            fresh = rid not in builders
             try:
                 _builder(rid).add(rec)
             except _Corrupt as exc:
                 _report(f"{kind} record skipped: {exc}" if "skipped" not in str(exc) else f"{kind}: {exc}")
+                if fresh:  # a run seen only in skipped records is not a run here (nor listed as one)
+                    del builders[rid]
 
         def add_summaries(cols: "_fast.SummaryColumns", a: int, b: int,
                           _builder: Callable[[str], _RunBuilder] = builder) -> None:
