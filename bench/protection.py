@@ -10,7 +10,12 @@ Scenarios:
 - natural instabilities, nothing injected (8 seeds by default: with 3, the seed-to-seed spread of
   these chaotic runs, up to +-25% of the eval loss, decided most comparisons): ``high_lr`` (peak LR
   10x, warm-up 2% of the steps), ``lr_jump`` (the LR x20 from 40% of the run on), ``attn_logit`` (peak LR 20x and no weight
-  decay on the attention workloads: attention logits grow without QK-norm);
+  decay on the attention workloads: attention logits grow without QK-norm), ``no_warmup`` (peak LR 10x
+  from the first step, no warm-up);
+- do no harm (legitimate changes and transients, seeded like the natural ones; target: at least as good
+  as plain AdamW): ``lr_pulse`` (the LR x10 for 10 steps from 40% of the run on, then back),
+  ``task_switch`` (the data switch to another task of the same kind at half the run; evaluated on the
+  new task);
 - injected faults (first seed only): ``spike`` (x1000 in one layer, twice), ``nan``, ``inf`` (one
   gradient), ``bad_batch`` (loss x1e4 for one step), ``bursty`` (2% of the steps x50 in a random layer),
   ``drift`` (all gradients grow smoothly x20 over 200 steps: not a fault), ``level_shift`` (one layer's
@@ -32,8 +37,8 @@ steps skipped (refused) and clipped, recall at the injected steps (skipped or cl
 scaling down the shifted layer's own gradient, the largest attention logit after training, and the time relative to plain AdamW.
 
 The summary prints, per scenario, the best peer and whether the guard's default configuration meets the
-target of issue 11 (natural: eval loss at least as good as the best peer, mean over seeds; clean: within
-0.1% of plain AdamW; faults: 100% recall, 0 false skips, never diverges; level shift accepted within 10
+target of issues 11 and 41 (natural: eval loss at least as good as the best peer, mean over seeds; do no
+harm: at least as good as plain AdamW; clean: within 0.1% of plain AdamW; faults: 100% recall, 0 false skips, never diverges; level shift accepted within 10
 steps; 5 consecutive bad batches refused).
 
 Usage:
@@ -84,9 +89,14 @@ T = W.T
 
 # ----------------------------------------------------------------------------------------- scenarios
 
-NATURAL = ["high_lr", "lr_jump", "attn_logit"]
+NATURAL = ["high_lr", "lr_jump", "attn_logit", "no_warmup"]
+#: legitimate changes and transients: nothing to protect against; the guard must do no harm
+HARM = ["lr_pulse", "task_switch"]
 FAULTS = ["spike", "nan", "inf", "bad_batch", "bursty", "drift", "level_shift", "bad_run"]
-SCENARIOS = ["clean"] + NATURAL + FAULTS
+SCENARIOS = ["clean"] + NATURAL + HARM + FAULTS
+#: task_switch: the data switch to another task of the workload (a new Markov chain, new class prototypes,
+#: a new regression direction) at this share of the run; the held-out batches are of the new task
+SWITCH_AT = 0.5
 DEFAULT_STEPS = {"gpt": 200, "cnn": 200, "mlp": 300}
 ACCEPT_WITHIN = 10  # level shift: steps
 HELD_OUT = 16  # eval batches
@@ -101,6 +111,7 @@ class Scenario:
         self.name, self.workload, steps = name, workload, workload.steps
         self.steps = steps
         self.natural = name in NATURAL
+        self.switch = round(SWITCH_AT * steps) if name == "task_switch" else None
         self.injected: List[int] = []
         self.burst: Dict[int, int] = {}
         self.bad_factor: Dict[int, float] = {}
@@ -122,7 +133,7 @@ class Scenario:
         self.drift = (steps // 4, steps // 4 + 200) if name == "drift" else None
 
     def lr(self, step: int) -> float:
-        sched = self.name if self.natural else "clean"
+        sched = self.name if self.natural or self.name == "lr_pulse" else "clean"
         return W.lr_at(sched, step, self.steps, self.workload.base_lr)
 
     def shifted_norm(self, layers: List[torch.nn.Module]) -> float:
@@ -156,6 +167,11 @@ class Scenario:
         elif self.drift is not None and step >= self.drift[0]:
             t = min(1.0, (step - self.drift[0]) / (self.drift[1] - self.drift[0]))
             T.scale_grad(model, 20.0 ** t)
+
+
+def seeded(scenario: str) -> bool:
+    """Clean, natural and do-no-harm scenarios run on every seed; injected faults on the fault seeds."""
+    return scenario == "clean" or scenario in NATURAL or scenario in HARM
 
 
 def applies(scenario: str, workload: str) -> bool:
@@ -514,7 +530,7 @@ def plan(workloads: Sequence[str], scenarios: Sequence[str], seeds: Sequence[int
         for s in scenarios:
             if not applies(s, w):
                 continue
-            for seed in (seeds if s == "clean" or s in NATURAL else fault_seeds):
+            for seed in (seeds if seeded(s) else fault_seeds):
                 out.append((w, s, seed))
                 used.add(seed)
         for seed in sorted(used):
@@ -534,9 +550,13 @@ def run_local(triples: List[Tuple[str, str, int]], methods: List[type], steps: D
             cache = {(w_name, seed): (w.batches(), w.batches(HELD_OUT, seed_offset=1000))}
         batches, held_out = cache[(w_name, seed)]
         scen = Scenario(s_name, w)
+        data, evals = batches, held_out
+        if scen.switch is not None:  # the second task from the switch on, and evaluated on it
+            data = batches[: scen.switch] + w.batches(task=1)[scen.switch:]
+            evals = w.batches(HELD_OUT, seed_offset=1000, task=1)
         for m in methods:
             t0 = time.perf_counter()
-            rows.append(run_cell(w, scen, m, batches, held_out))
+            rows.append(run_cell(w, scen, m, data, evals))
             if progress:
                 print(f"  {w_name:4s} {s_name:11s} seed {seed} {m.name:42s} {time.perf_counter() - t0:5.1f}s",
                       file=sys.stderr, flush=True)
@@ -652,7 +672,7 @@ def select_rows(rows: List[Dict[str, Any]], workloads: Optional[Sequence[str]], 
         0
     """
     def keep(r: Dict[str, Any]) -> bool:
-        wanted = seeds if r["scenario"] == "clean" or r["scenario"] in NATURAL else fault_seeds
+        wanted = seeds if seeded(r["scenario"]) else fault_seeds
         return ((not workloads or r["workload"] in workloads) and (not scenarios or r["scenario"] in scenarios)
                 and (not wanted or r["seed"] in wanted) and (not methods or r["method"] in methods))
     return [r for r in rows if keep(r)]
@@ -794,6 +814,15 @@ def targets(agg: Dict[Tuple[str, str, str], Dict[str, Any]], workloads: List[str
                 t["met"] = abs(d) <= 0.001
                 t["detail"] = (f"{100 * d:+.3f}% vs plain, {guard['clipped']:.1f} steps clipped, "
                                f"{guard['skipped']:.1f} skipped")
+            elif s in HARM:
+                plain = agg.get((w, s, "plain"))
+                delta = guard["eval_mean"] - plain["eval_mean"] if plain else math.nan
+                t["target"] = "eval loss <= plain AdamW (mean over seeds)"
+                t["met"] = not guard["diverged"] and plain is not None and delta <= 0
+                t["detail"] = ("diverged" if guard["diverged"] else "no plain run" if plain is None else
+                               f"{delta:+.4f} nats vs plain ({100 * delta / plain['eval_mean']:+.2f}%)"
+                               f"{_paired_se(guard, plain)}, {guard['clipped']:.1f} clipped, "
+                               f"{guard['skipped']:.1f} skipped")
             elif s in NATURAL:
                 delta = guard["eval_mean"] - best["eval_mean"]
                 t["target"] = "eval loss <= best peer (mean over seeds)"
@@ -837,7 +866,7 @@ def render(rows: List[Dict[str, Any]], methods: List[str], seeds: Sequence[int])
              "to the clean plain run of the same seed (min..max in the CSV); injected faults: one seed.", ""]
     if tg:
         met = sum(1 for t in tg if t["met"])
-        lines += [f"## Targets of issue 11, default configuration ({met}/{len(tg)} met)", "",
+        lines += [f"## Targets of issues 11 and 41, default configuration ({met}/{len(tg)} met)", "",
                   "| workload | scenario | best peer | best peer gap | guard gap | target | met | detail |",
                   "|---|---|---|---:|---:|---|---|---|"]
         for t in tg:

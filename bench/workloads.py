@@ -33,6 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("gpt", "cnn", "mlp")
 #: workloads with attention layers (the attention-logit scenario runs only there)
 ATTENTION_WORKLOADS = ("gpt", "cnn")
+#: Seed offset between two tasks of one workload (``Workload.batches(task=...)``).
+TASK_SEED = 10_007
+#: ``lr_pulse``: the LR times this for ``PULSE_STEPS`` steps from 40% of the run on.
+PULSE_FACTOR, PULSE_STEPS = 10.0, 10
 #: AdamW peak learning rate of the clean runs, per workload (near the best of a sweep, see the README)
 BASE_LR = {"gpt": 3e-3, "cnn": 2e-2, "mlp": 1e-2}
 
@@ -117,16 +121,19 @@ class Workload:
             return SmallCNN()
         return T.DeepMLP(width=64, depth=8, in_dim=16)
 
-    def batches(self, n: Optional[int] = None, seed_offset: int = 1) -> List[Any]:
-        """``n`` batches (default: one per step); another ``seed_offset`` gives held-out batches."""
+    def batches(self, n: Optional[int] = None, seed_offset: int = 1, task: int = 0) -> List[Any]:
+        """``n`` batches (default: one per step); another ``seed_offset`` gives held-out batches, another
+        ``task`` another task of the same kind (a new Markov chain, new class prototypes, a new regression
+        direction: the data switch of the ``task_switch`` scenario)."""
         n = self.steps if n is None else n
-        g = torch.Generator().manual_seed(self.seed + seed_offset)
+        g = torch.Generator().manual_seed(self.seed + seed_offset + TASK_SEED * task)
+        t_seed = self.seed + TASK_SEED * task
         if self.name == "gpt":
-            data = T.MarkovData(vocab_size=64, seed=self.seed)
+            data = T.MarkovData(vocab_size=64, seed=t_seed)
             data.generator.manual_seed(self.seed + seed_offset)
             return [data.batch(16, 32) for _ in range(n)]
         if self.name == "cnn":
-            pg = torch.Generator().manual_seed(self.seed)  # one set of class prototypes for all batches
+            pg = torch.Generator().manual_seed(t_seed)  # one set of class prototypes for all batches
             protos = F.interpolate(torch.randn(10, 3, 4, 4, generator=pg), size=(16, 16), mode="bilinear",
                                    align_corners=False)
             out = []
@@ -135,7 +142,7 @@ class Workload:
                 x = protos[y] + 3.0 * torch.randn(64, 3, 16, 16, generator=g)
                 out.append((x, y))
             return out
-        w = torch.randn(16, 1, generator=torch.Generator().manual_seed(self.seed))  # one task for all batches
+        w = torch.randn(16, 1, generator=torch.Generator().manual_seed(t_seed))  # one task for all batches
         out = []
         for _ in range(n):
             x = torch.randn(256, 16, generator=g)
@@ -202,6 +209,9 @@ def lr_at(scenario: str, step: int, steps: int, base_lr: float) -> float:
     - ``high_lr`` (LR too high, short warm-up): peak 10x ``base_lr``, warm-up over 2% of the steps;
     - ``lr_jump``: the clean schedule, multiplied by 20 from 40% of the run on (a resumed run with a
       wrong LR, a schedule bug);
+    - ``lr_pulse``: the clean schedule, multiplied by ``PULSE_FACTOR`` for ``PULSE_STEPS`` steps from 40%
+      of the run on, then back (a transient: a schedule restart, a loss-scale glitch);
+    - ``no_warmup``: peak 10x ``base_lr`` from the first step (no warm-up), cosine decay;
     - ``attn_logit``: peak 20x ``base_lr``, clean warm-up, no weight decay (see ``weight_decay``): the
       regime where attention logits grow without QK-norm (Wortsman et al. 2023, "Small-scale proxies for
       large-scale Transformer training instabilities").
@@ -213,6 +223,8 @@ def lr_at(scenario: str, step: int, steps: int, base_lr: float) -> float:
     peak, warm = base_lr, max(1, round(0.1 * steps))
     if scenario == "high_lr":
         peak, warm = 10 * base_lr, max(1, round(0.02 * steps))
+    elif scenario == "no_warmup":
+        peak, warm = 10 * base_lr, 0
     elif scenario == "attn_logit":
         peak = 20 * base_lr
     if step < warm:
@@ -222,6 +234,8 @@ def lr_at(scenario: str, step: int, steps: int, base_lr: float) -> float:
         lr = peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
     if scenario == "lr_jump" and step >= round(0.4 * steps):
         lr *= 20
+    if scenario == "lr_pulse" and round(0.4 * steps) <= step < round(0.4 * steps) + PULSE_STEPS:
+        lr *= PULSE_FACTOR
     return lr
 
 

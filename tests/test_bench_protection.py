@@ -175,6 +175,30 @@ def test_schedules_put_the_instability_where_the_name_says(workloads):
     assert workloads.weight_decay("attn_logit") == 0.0 and workloads.weight_decay("clean") > 0
 
 
+def test_the_do_no_harm_schedules_and_the_task_switch(workloads, bench):
+    """Issue 41's scenarios: an LR pulse (x10 for 10 steps from 40% of the run, then back), a too-high LR
+    with no warm-up (10x from the first step), and a task switch (another Markov chain, prototypes or
+    regression direction from half the run on, evaluated on the new task); run on every seed."""
+    lr, steps, base = workloads.lr_at, 200, 1e-3
+    at = round(0.4 * steps)
+    assert lr("lr_pulse", at - 1, steps, base) == pytest.approx(lr("clean", at - 1, steps, base))
+    assert all(lr("lr_pulse", s, steps, base) == pytest.approx(10 * lr("clean", s, steps, base))
+               for s in range(at, at + 10))
+    assert lr("lr_pulse", at + 10, steps, base) == pytest.approx(lr("clean", at + 10, steps, base))
+    assert lr("no_warmup", 0, steps, base) == pytest.approx(10 * base)
+    assert lr("no_warmup", steps - 1, steps, base) >= base
+    for name in ("gpt", "cnn", "mlp"):
+        w = workloads.Workload(name, steps=4, seed=3)
+        a, b = w.batches(2), w.batches(2, task=1)
+        assert all(torch.equal(x, y) for x, y in zip(a[0], w.batches(2)[0]))  # the same task, the same data
+        assert not all(torch.equal(x, y) for x, y in zip(a[0], b[0]))  # another task, other data
+    triples = bench["plan"](["mlp"], ["lr_pulse", "task_switch", "no_warmup", "nan"], [0, 1], [0])
+    assert {(s, seed) for _, s, seed in triples} == {(s, k) for s in ("lr_pulse", "task_switch", "no_warmup",
+                                                                       "clean") for k in (0, 1)} | {("nan", 0)}
+    scen = bench["Scenario"]("task_switch", workloads.Workload("mlp", steps=40, seed=0))
+    assert scen.switch == 20 and bench["Scenario"]("lr_pulse", workloads.Workload("mlp", 40)).switch is None
+
+
 def test_workloads_reject_unknown_names(workloads):
     with pytest.raises(ValueError, match="workload"):
         workloads.Workload("resnet", 10)
@@ -239,7 +263,7 @@ def test_protection_quick_cells(bench, tmp_path):
     assert cell[("level_shift", "plain")]["modified_until"] == 0
     assert cell[("clean", "plain")]["max_attn_logit"] > 0
     text = out.with_suffix(".md").read_text()
-    assert "Targets of issue 11" in text and "| gpt | nan |" in text
+    assert "Targets of issues 11 and 41" in text and "| gpt | nan |" in text
     assert out.with_suffix(".png").stat().st_size > 0
     with open(out.with_suffix(".csv"), newline="") as f:
         assert len(list(csv.DictReader(f))) == len(rows) == 16
