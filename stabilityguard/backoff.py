@@ -6,26 +6,37 @@ accepted step's own loss shows it: see ``LossTrend.confirms``), and reads the fa
 step; :class:`~stabilityguard.actions.Containment` applies it around the wrapped ``step()`` (the LR the
 scheduler set is restored right after, so schedules are never overwritten).
 
-How the factor moves (the shape of SPAM's LR backoff, :mod:`stabilityguard.features.spam`):
+How the factor moves. A *first* instability (none remembered, no way back under way) follows the loss
+trend's evidence (``LossTrend.evidence``: the loss's fast EMA, the level the instability began from,
+the exit margin, the entry rise):
 
-* when an instability begins, the factor drops to ``factor`` times the factor still in force (a second
-  instability during the recovery from the first compounds), never below :attr:`InstabilityBackoff.FLOOR`
-  (or ``factor`` itself, if that is lower);
+* ``factor`` while the fast EMA is at its peak, then back towards 1 in proportion as it falls:
+  ``factor + (1 - factor) * (peak - level) / span``, ``span`` the rise from the reference to the peak,
+  at most the entry rise and at least the exit margin; so the LR is in full once the loss has fallen by
+  the rise that began the instability, or is back within the exit margin (a task switch, whose loss
+  falls from its new level at the full LR, gets the LR back within a few steps);
+* when it ends, the LR is in full at once, and the run *remembers* it for :attr:`InstabilityBackoff.recovery`
+  accepted steps (:attr:`InstabilityBackoff.memory`).
+
+A *relapse*, the old fixed shape (SPAM's LR backoff, :mod:`stabilityguard.features.spam`), for an LR that
+is itself the cause: a new instability while the run remembers one, or during a way back, or, within a
+followed one, a fast loss that has dipped below its peak and climbs by the entry rise above its lowest
+point since (below the old peak or past it: an explosion the factor does not stop):
+
+* the factor drops to ``factor`` times the factor still in force (a relapse during a way back
+  compounds), never below :attr:`InstabilityBackoff.FLOOR` (or ``factor`` itself, if that is lower);
 * it stays there while the instability lasts;
-* after the instability it returns linearly to 1 over ``recovery_steps`` accepted steps: the k-th step
-  after it takes ``start + (1 - start) * k / recovery_steps``, so ``recovery_steps - 1`` steps are still
-  reduced (0 and 1: the LR in full on the first step after it); with ``recovery_ratio``
-  (``instability_lr_recovery_ratio``, 20 by default) the way back lasts ``max(recovery_steps, recovery_ratio x
-  n)`` steps, n the accepted steps the instability took its factor on (:attr:`InstabilityBackoff.recovery`);
-  an instability that begins during a way back keeps at least the steps that way back still had (a short
-  one on a long way back does not cut the protection the long one asked for).
+* after it the factor returns linearly to 1 over :attr:`InstabilityBackoff.recovery` accepted steps: the
+  k-th step after it takes ``start + (1 - start) * k / recovery`` (0 and 1: the LR in full on the first
+  step after it); ``recovery`` is ``max(recovery_steps, recovery_ratio x n)``, n the accepted steps the
+  instability lasted (``instability_lr_recovery`` and ``instability_lr_recovery_ratio``, 100 and 20 by
+  default); a relapse that begins during a way back keeps at least the steps that way back still had.
 
-Why it does not return at once: an LR too high, or a jump of the LR, is still there when the loss has
-come back down; restored in one step, the next instability follows (measured in
-``bench/protection.py``, README "Protection"). A one-step false alarm costs ``recovery_steps`` steps at a
-lower LR (a longer one ``recovery_ratio`` x its length, and one on a way back what that way back had
-left, if more), and a clean run whose loss never rises is touched only when ``instability_overshoot`` takes its
-start for an overshoot (AdamW with no warm-up can look like one: README, "Not there yet").
+Why two shapes: a fixed way back after every instability protected runs whose LR is too high (the loss
+comes back down and the next instability follows if the LR is restored at once), but it kept a run whose
+loss had a legitimate jump (a task switch) at a quarter of its LR for hundreds of steps, worse than plain
+AdamW (``bench/protection.py`` task_switch, docs/protection.md). Following the loss gives the LR back as
+soon as the evidence ends; the memory keeps the fixed shape for an LR that causes instability again.
 
 When the factor begins is :class:`Confirmation`'s to say: at the first accepted step whose own loss shows
 the instability, or, when refused losses may have begun it, the second in a row or one that shows it by
@@ -33,9 +44,12 @@ the instability, or, when refused losses may have begun it, the second in a row 
 confirms it with its own norm and loss.
 
 Example:
-    >>> b = InstabilityBackoff(0.5, recovery_steps=4)
+    >>> b = InstabilityBackoff(0.5, recovery_steps=4)  # the fixed shape (``follow=False``)
     >>> [b.step(u) for u in (False, True, True, False, False, False, False, False)]
     [None, 0.5, 0.5, 0.625, 0.75, 0.875, None, None]
+    >>> f = InstabilityBackoff(0.5, recovery_steps=4, follow=True)  # (level, ref, margin, rise)
+    >>> [f.step(True, x, 1.0, 0.1, 1.0) for x in (3.0, 2.5, 2.0)], f.step(False), f.memory
+    ([0.5, 0.75, None], None, 4)
 """
 
 from __future__ import annotations
@@ -58,15 +72,21 @@ def linear_recovery(start: float, since: int, steps: int) -> float:
     return start + (1.0 - start) * min(1.0, since / steps)
 
 
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
 class InstabilityBackoff:
     """LR factor during and after loss instabilities (see the module docstring).
 
     Args:
         factor: ``instability_lr``, in (0, 1].
         recovery_steps: ``instability_lr_recovery``: accepted steps over which the factor returns to 1
-            after an instability (>= 0).
-        recovery_ratio: ``instability_lr_recovery_ratio``: the way back lasts at least this many times the
-            instability's own length (``None`` or 0: ``recovery_steps`` always).
+            after a relapse (>= 0); with ``follow``, also how long a run remembers an instability.
+        recovery_ratio: ``instability_lr_recovery_ratio``: the way back (and the memory) lasts at least
+            this many times the instability's own length (``None`` or 0: ``recovery_steps`` always).
+        follow: The first instability's factor follows the loss (``False``: every instability takes
+            the fixed way back).
     """
 
     #: Compounding stops here (instabilities one after another never take the LR below a tenth).
@@ -74,39 +94,89 @@ class InstabilityBackoff:
     #: The longest way back ``recovery_ratio`` makes (a count no run reaches; a huge ratio stays an integer).
     NEVER = 2 ** 62
 
-    def __init__(self, factor: float, *, recovery_steps: int, recovery_ratio: Optional[float] = None) -> None:
+    def __init__(self, factor: float, *, recovery_steps: int, recovery_ratio: Optional[float] = None,
+                 follow: bool = False) -> None:
         self.factor = float(factor)
         self.recovery_steps = int(recovery_steps)
         self.recovery_ratio = float(recovery_ratio) if recovery_ratio else None
+        self.follow = bool(follow)
         self.start = 1.0  # the factor while the last instability lasted
         self.since = 0  # accepted steps since it ended
         self.unstable = False  # the last accepted step was taken during an instability
         self.lasted = 0  # accepted steps the last (or current) instability took its factor on
         self.carry = 0  # steps the way back it interrupted still had (its way back is at least this long)
+        self.following = False  # the current instability's factor follows the loss (a first one)
+        self.peak = math.nan  # its highest fast loss so far
+        self.trough = math.nan  # the lowest fast loss since that peak
+        self.followed = 1.0  # the factor it gave the last step
+        self.memory = 0  # accepted steps left in which a new instability is a relapse
 
-    def step(self, unstable: bool) -> Optional[float]:
+    def step(self, unstable: bool, level: float = math.nan, ref: float = math.nan,
+             margin: float = 0.0, rise: float = math.inf) -> Optional[float]:
         """Advance by one accepted step; returns its LR factor (``None``: 1, the LR as it is).
 
         Args:
-            unstable: The loss trend's verdict for this step.
+            unstable: The loss trend's verdict for this step (confirmed).
+            level, ref, margin, rise: The trend's evidence (``LossTrend.evidence``): the loss's fast EMA,
+                the level the instability began from, the margin over it under which it ends, the rise
+                that begins one. Used with ``follow`` only.
         """
-        if unstable and not self.unstable:  # an instability begins: drop, from where the factor stands
-            left = self.recovery - self.since if self.start < 1.0 else 0  # of a way back it interrupts
-            self.start = max(min(self.FLOOR, self.factor), self.in_force * self.factor)
-            self.since, self.lasted, self.carry = 0, 0, left
-        if unstable:
+        if unstable and not self.unstable:  # an instability begins
+            if self.follow and self.memory == 0 and self.start >= 1.0:  # a first one: follow the loss
+                self.following, self.peak, self.trough, self.lasted = True, level, level, 0
+            else:
+                self._drop()
+        if unstable and self.following:
             self.lasted += 1
-        elif self.start < 1.0:  # recovering: this step is one more of the way back
-            self.since += 1
-            if self.since >= self.recovery:
-                self.start, self.since, self.lasted, self.carry = 1.0, 0, 0, 0
+            # down and up again (to below or above the old peak): the factor did not settle it, a relapse
+            if math.isfinite(level) and self.trough < self.peak and level - self.trough > rise:
+                self.followed = 1.0
+                self._drop()
+                self.lasted = 1  # (this step is the relapse's first)
+            else:
+                if math.isfinite(level) and not level <= self.peak:
+                    self.peak = self.trough = level
+                elif math.isfinite(level) and level < self.trough:
+                    self.trough = level
+                self.followed = self._followed(level, ref, margin, rise)
+        elif unstable:
+            self.lasted += 1
+        elif self.following:  # a followed instability ended: the LR in full, the run remembers it
+            self.following, self.followed = False, 1.0
+            self.memory, self.lasted = self.recovery, 0  # (its length is in the memory now)
+            self.peak = self.trough = math.nan
+        else:
+            if self.memory:
+                self.memory -= 1
+            if self.start < 1.0:  # recovering: this step is one more of the way back
+                self.since += 1
+                if self.since >= self.recovery:
+                    self.start, self.since, self.lasted, self.carry = 1.0, 0, 0, 0
         self.unstable = bool(unstable)
         f = self.in_force
         return f if f < 1.0 else None
 
+    def _drop(self) -> None:
+        """A fixed drop, from where the factor stands, and a fixed way back after it."""
+        left = self.recovery - self.since if self.start < 1.0 else 0  # of a way back it interrupts
+        self.start = max(min(self.FLOOR, self.factor), self.in_force * self.factor)
+        self.since, self.lasted, self.carry = 0, 0, left
+        self.following, self.peak, self.trough = False, math.nan, math.nan
+
+    def _followed(self, level: float, ref: float, margin: float, rise: float) -> float:
+        """``factor`` at the peak, back in proportion as the loss falls: in full once it has fallen by
+        the rise that began the instability, or is back within ``margin`` of ``ref``."""
+        f = self.factor
+        if math.isfinite(self.peak) and math.isfinite(ref) and math.isfinite(level):
+            span = max(min(self.peak - ref, rise), margin, 1e-12)
+            f += (1.0 - f) * min(1.0, max(0.0, (self.peak - level) / span))
+        return min(f, 1.0)
+
     @property
     def in_force(self) -> float:
         """The factor of the step :meth:`step` last counted, the last accepted step (1: none)."""
+        if self.following:
+            return self.followed
         if self.unstable:
             return min(self.start, 1.0)
         return linear_recovery(self.start, self.since, self.recovery)
@@ -123,8 +193,12 @@ class InstabilityBackoff:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {"start": self.start, "since": self.since, "unstable": self.unstable, "lasted": self.lasted,
-                "carry": self.carry}
+        state = {"start": self.start, "since": self.since, "unstable": self.unstable, "lasted": self.lasted,
+                 "carry": self.carry, "memory": self.memory}
+        if self.following:  # (JSON has no NaN: a followed instability always has a finite peak or none)
+            state["following"] = {"peak": _finite(self.peak), "trough": _finite(self.trough),
+                                  "factor": self.followed}
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value.
@@ -148,9 +222,31 @@ class InstabilityBackoff:
             raise ValueError(f"backoff lasted must be an integer >= 0; got {lasted!r}")
         if isinstance(carry, bool) or not isinstance(carry, numbers.Integral) or carry < 0:
             raise ValueError(f"backoff carry must be an integer >= 0; got {carry!r}")
+        memory = state.get("memory", 0)  # 0 in a state from before it: nothing remembered
+        if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
+            raise ValueError(f"backoff memory must be an integer >= 0; got {memory!r}")
+        following = state.get("following")
+        if following is not None:
+            if not isinstance(following, dict) or not unstable:
+                raise ValueError("backoff following must be a dict, and only during an instability; got "
+                                 f"{following!r} with unstable={unstable!r}")
+            peak, trough, followed = following.get("peak"), following.get("trough"), following.get("factor", 1.0)
+            for name, v in (("peak", peak), ("trough", trough)):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)):
+                    raise ValueError(f"backoff following {name} must be a finite number or None; got {v!r}")
+            if isinstance(followed, bool) or not isinstance(followed, numbers.Real) or not math.isfinite(followed) \
+                    or not 0.0 < followed <= 1.0:
+                raise ValueError(f"backoff following factor must be a number in (0, 1]; got {followed!r}")
         self.start, self.since, self.unstable = float(start), int(since), unstable
         self.lasted, self.carry = min(int(lasted), self.NEVER), min(int(carry), self.NEVER)
-        if self.start >= 1.0 or (not unstable and self.since >= self.recovery):
+        self.memory = min(int(memory), self.NEVER) if self.follow else 0
+        self.following, self.peak, self.trough, self.followed = False, math.nan, math.nan, 1.0
+        if following is not None and self.follow:  # (saved with follow, loaded without: a fixed drop next)
+            self.following = True
+            self.peak = math.nan if peak is None else float(peak)
+            self.trough = math.nan if trough is None else float(trough)
+            self.followed = float(followed)
+        elif self.start >= 1.0 or (not unstable and self.since >= self.recovery):
             self.start, self.since, self.unstable, self.lasted, self.carry = 1.0, 0, False, 0, 0
 
 

@@ -121,40 +121,40 @@ class GuardConfig:
     "Protection")."""
 
     instability_lr: Optional[float] = 0.25
-    """While the loss is in an instability, the wrapped optimizer steps with its LR times this factor
-    (times the factor still in force when an instability begins during the recovery from an earlier one,
-    never below 0.1 or this factor); the LR the scheduler set is restored right after each step, so
-    schedules go on undisturbed (in (0, 1]; ``None``: off). The LR drops once an accepted step's own loss
+    """While the loss is in an instability, the wrapped optimizer steps with its LR times a factor that
+    this sets; the LR the scheduler set is restored right after each step, so schedules go on undisturbed
+    (in (0, 1]; ``None``: off). A first instability's factor follows the loss: this factor while the loss's
+    fast EMA is at its peak, back towards 1 in proportion as the loss falls, the LR in full once the loss
+    has fallen by the rise that began the instability or is back where it began. An instability while the
+    run remembers an earlier one (``instability_lr_recovery``), or a loss that rises again within one, is
+    a relapse: this factor (times the factor still in force during a way back, never below 0.1 or this
+    factor) for as long as it lasts, then a linear way back. The LR drops once an accepted step's own loss
     is ``instability_z`` noise units above where the instability began, or, in the first 20 losses, a
     rise by ``instability_rise``'s measure (the losses of a run of refused bad batches begin one too:
     one begun while a refused step's loss is among the trend's last 10 needs two such losses in a row,
     or one twice as far up, so the ordinary losses after bad batches leave the LR alone; a step without
     a loss does not confirm), or at an overshooting step (``instability_overshoot``). Not in ``monitor``
-    mode. Needs what the hold
-    needs (``graded_response``, ``instability_clip`` on, a loss). 0.25 was chosen against 0.5, 0.35 and
-    0.15 on 24 seeds of ``bench/protection.py``'s natural instabilities and checked against 0.5 on 8 fresh ones
-    (README, "Protection"): better than 0.5, not told apart from 0.35; a false alarm costs about 38 steps'
-    worth of LR over the recovery."""
+    mode. Needs what the hold needs (``graded_response``, ``instability_clip`` on, a loss). 0.25 was
+    chosen against 0.5, 0.35 and 0.15 on 24 seeds of ``bench/protection.py``'s natural instabilities
+    with the fixed way back for every instability (docs/protection.md)."""
 
     instability_lr_recovery: int = 100
-    """After a loss instability, the ``instability_lr`` factor ``f`` returns linearly to 1 over this many
-    accepted steps, or more after a long one (``instability_lr_recovery_ratio``): the k-th step after it
-    takes ``f + (1 - f) * k / L`` of the LR, ``L`` the way back's length (>= 0; 0 or 1 with the ratio
-    ``None``: the LR is back in full on the first step after it). An LR too high is still too high when
-    the loss has come back down: restored at once, the next instability follows. The shape of
-    SPAM's LR backoff, and its default length (``spam_recovery_steps``). Measured in
-    ``bench/protection.py`` (README, "Protection")."""
+    """How long the run remembers an instability, and the length of a relapse's way back (accepted
+    steps, or more after a long instability: ``instability_lr_recovery_ratio``). A new instability within
+    that many steps after a followed one ended is a relapse (the LR was the cause, and is still too
+    high): it takes the fixed ``instability_lr`` factor, and after it the factor ``f`` returns linearly to
+    1: the k-th step after it takes ``f + (1 - f) * k / L`` of the LR, ``L`` the way back's length (>= 0;
+    0 with the ratio ``None``: no memory, and a relapse's LR back in full on the first step after it).
+    The shape of SPAM's LR backoff, and its default length (``spam_recovery_steps``). Measured in
+    ``bench/protection.py`` (docs/protection.md)."""
 
     instability_lr_recovery_ratio: Optional[float] = 20.0
-    """The way back after an instability lasts at least this many times as many accepted steps as the
-    instability took its factor on (``max(instability_lr_recovery, ratio * n)``); the factor during it is
-    unchanged (>= 0; ``None`` or 0: ``instability_lr_recovery`` steps whatever its length, the rule
-    before it). The longer the loss stayed up at the lower LR, the more likely the LR itself was the
-    cause, and an LR too high is still too high afterwards; a one-step false alarm
-    (``instability_overshoot`` on a clean run) recovers as without it (20 x 1 < 100). An instability
-    that begins on a way back keeps at least the steps that way back had left. Chosen on 24 seeds of
-    ``bench/protection.py`` (5, 10, 20; ``bench/results/protection.sweep.md``) and checked on seeds
-    24-31, not used to choose it (README, "Protection")."""
+    """The memory after a followed instability, and a relapse's way back, last at least this many times
+    as many accepted steps as that instability lasted (``max(instability_lr_recovery, ratio * n)``); the
+    factor during it is unchanged (>= 0; ``None`` or 0: ``instability_lr_recovery`` steps whatever its
+    length). The longer the loss stayed up, the more likely the LR itself was the cause. A relapse that
+    begins on a way back keeps at least the steps that way back had left. 20 was chosen on 24 seeds of
+    ``bench/protection.py`` (5, 10, 20) for the fixed way back (``bench/results/protection.sweep.md``)."""
 
     spike_jump: Optional[float] = 4.0
     """A critical spike must be sudden: besides a ratio over ``spike_threshold``, the layer's norm must be

@@ -181,17 +181,27 @@ class LossTrend:
         self.since = 0
         self.calm_noise = 0.0  # the noise before the fast EMA went early_rise above the reference
         self.early: List[float] = []  # the losses as they came, while count < min_count (for the bound)
+        self.over = 0  # accepted losses over the bound in a row
 
     def _unit(self) -> float:
         """The noise unit, floored (like :class:`LossMonitor`'s scale) so a flat loss stays sane."""
         return max(self.noise, 1e-3 * abs(self.fast), 1e-12)
 
-    def add(self, loss: float) -> None:
+    #: Accepted losses over the bound in a row after which the fast EMA jumps to the last one.
+    JUMP_AFTER = 3
+
+    def add(self, loss: float, accepted: bool = True) -> None:
         """Add one finite loss and update :attr:`unstable`."""
         if self.count == 0:
             self.fast = self.slow = loss
+        jumped = False
         if self.count >= self.min_count:
-            loss = min(loss, self.fast + 6.0 * self._unit())  # one bad batch moves the EMAs little
+            bound = self.fast + 6.0 * self._unit()  # one bad batch moves the EMAs little
+            self.over = self.over + 1 if (accepted and loss > bound) else 0
+            jumped = self.over >= self.JUMP_AFTER  # accepted losses over the bound in a row: the level moved
+            if jumped:  # the fast EMA is there at once (the noise is not fed the jump)
+                self.over, self.fast = 0, loss
+            loss = min(loss, bound)
         else:  # no noise unit to trust yet: at most 3x the larger of the fast EMA and half the median
             raw, scale = loss, self.fast
             if self.early:  # an EMA far below the losses' lower median lags a start at or near 0
@@ -200,9 +210,10 @@ class LossTrend:
                 loss = min(loss, scale + self.EARLY_BOUND * abs(scale))
             self.early = self.early + [raw] if self.count + 1 < self.min_count else []
         dev = abs(loss - self.fast)
-        self.fast += self.fast_a * (loss - self.fast)
+        if not jumped:
+            self.fast += self.fast_a * (loss - self.fast)
         self.count += 1
-        if not self.unstable or self.count <= self.min_count:  # an instability begun early: still learning it
+        if not jumped and (not self.unstable or self.count <= self.min_count):  # (begun early: still learning it)
             self.noise += max(self.slow_a, 1.0 / self.count) * (dev - self.noise)
         if self.count == self.min_count:
             self._known()
@@ -269,6 +280,13 @@ class LossTrend:
                 and loss > (1 + bar * self.early_rise) * self.ref
                 and loss - self.ref > bar * self.EARLY_GATE * self.calm_noise)
 
+    def evidence(self) -> Tuple[float, float, float, float]:
+        """What an instability's LR factor follows (:class:`~stabilityguard.backoff.InstabilityBackoff`):
+        the loss's fast EMA, the level the instability began from, the margin over that level under
+        which it ends (``exit_z`` noise units) and the rise that begins one (``enter_z`` noise units)."""
+        unit = self._unit()
+        return self.fast, self.ref, self.exit_z * unit, self.enter_z * unit
+
     def tick(self) -> None:
         """A step without a loss: an instability still ends after ``max_steps`` steps."""
         if self.unstable:
@@ -276,7 +294,7 @@ class LossTrend:
             if self.since > self.max_steps:
                 self._end()
 
-    _FIELDS = ("count", "fast", "slow", "noise", "unstable", "ref", "since", "calm_noise")
+    _FIELDS = ("count", "fast", "slow", "noise", "unstable", "ref", "since", "calm_noise", "over")
 
     def state_dict(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self._FIELDS} | {"early": list(self.early)}
@@ -286,6 +304,6 @@ class LossTrend:
         for k in self._FIELDS:
             if k in state:
                 v = state[k]
-                setattr(self, k, bool(v) if k == "unstable" else (int(v) if k in ("count", "since") else float(v)))
+                setattr(self, k, bool(v) if k == "unstable" else (int(v) if k in ("count", "since", "over") else float(v)))
         if "calm_noise" not in state and "noise" in state:  # a checkpoint from before the gate
             self.calm_noise = self.noise

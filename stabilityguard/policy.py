@@ -48,9 +48,12 @@ fault: several layers rise a few times over some steps and the loss climbs. Thre
   that step's own norm and loss confirm it (or one awaiting confirmation), so it takes the LR factor at
   once.
   The policy also gives the LR factor of each step it accepts (:attr:`GuardPolicy.lr_factor`,
-  ``instability_lr`` during an instability, back to 1 over ``instability_lr_recovery`` steps after it (or
-  ``instability_lr_recovery_ratio`` times its length, if longer):
   :class:`~stabilityguard.backoff.InstabilityBackoff`); the adapter applies it around the wrapped step.
+  A first instability's factor follows the loss trend's evidence (``LossTrend.evidence``):
+  ``instability_lr`` at the loss's peak, the LR in full again once the loss has fallen by the rise that
+  began it; an instability while the run remembers an earlier one (``instability_lr_recovery`` steps,
+  or ``instability_lr_recovery_ratio`` times its length, if longer), or a loss that rises again within
+  one, is a relapse: the fixed factor, then a linear way back over the same length.
   The LR drops only once an accepted step's own loss is ``instability_z`` noise units above the level the
   instability began from (or, in the first 20 losses, a rise by the early rule's measure:
   ``LossTrend.confirms``): a run of refused bad batches begins an instability with its losses alone, and
@@ -249,7 +252,7 @@ class GuardPolicy:
         self.confirm: Optional[Confirmation] = None
         if self.trend is not None and instability_lr is not None:
             self.backoff = InstabilityBackoff(instability_lr, recovery_steps=instability_lr_recovery,
-                                               recovery_ratio=instability_lr_recovery_ratio)
+                                               recovery_ratio=instability_lr_recovery_ratio, follow=True)
             self.confirm = Confirmation()
         #: The LR factor of the step the last commit accepted (``None``: 1, or a refused step).
         self.lr_factor: Optional[float] = None
@@ -615,7 +618,7 @@ class GuardPolicy:
             was = self.trend.unstable
             added = loss is not None and math.isfinite(loss)
             if added:
-                self.trend.add(loss)
+                self.trend.add(loss, accepted=accepted)
             else:
                 self.trend.tick()
             overshot = (accepted and added and self.overshoot is not None and not self.overshoot.done
@@ -636,7 +639,7 @@ class GuardPolicy:
                 shows = loss is not None and self.trend.confirms(loss)
                 unstable = self.confirm.confirmed(
                     shows, shows and self.confirm.doubt and self.trend.confirms(loss, self.confirm.CLEAR_BAR))
-            self.lr_factor = self.backoff.step(unstable)
+            self.lr_factor = self.backoff.step(unstable, *self.trend.evidence())
         return before
 
     def _overshoot_layers(self, key: Optional[Tuple[int, ...]], values: Sequence[float]) -> List[str]:
@@ -759,7 +762,8 @@ class GuardPolicy:
         if self.backoff is not None:  # a checkpoint from before it: no factor in force (an instability
             # under way at the checkpoint drops the LR again at the next accepted step whose loss confirms it)
             self.backoff = InstabilityBackoff(self.backoff.factor, recovery_steps=self.backoff.recovery_steps,
-                                               recovery_ratio=self.backoff.recovery_ratio)
+                                               recovery_ratio=self.backoff.recovery_ratio,
+                                               follow=self.backoff.follow)
             self.backoff.load_state_dict(state.get("backoff") or {})
             assert self.trend is not None
             self.confirm = Confirmation()

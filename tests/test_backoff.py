@@ -374,3 +374,137 @@ def test_a_huge_recovery_ratio_keeps_the_factor_and_never_overflows():
     assert b.recovery == InstabilityBackoff.NEVER and all(0.5 <= f < 0.5 + 1e-12 for f in got)
     b.load_state_dict(json.loads(json.dumps(b.state_dict())))
     assert b.step(False) < 0.5 + 1e-12
+
+
+# ---------------------------------------------------------------- follow: a first instability follows the loss
+def _follow(b, steps):
+    """Feed (unstable, fast loss) per step with the instability's evidence: begun from 2.0, ends within
+    0.1 of it, begun by a rise of 0.5."""
+    return [b.step(u, level, 2.0, 0.1, 0.5) for u, level in steps]
+
+
+def _f(**kw):
+    return InstabilityBackoff(0.25, recovery_steps=kw.pop("recovery_steps", 10), follow=True, **kw)
+
+
+def test_a_first_instability_takes_the_factor_at_its_peak_and_gives_it_back_as_the_loss_falls():
+    got = _follow(_f(), [(True, 3.0), (True, 3.2), (True, 3.0), (True, 2.9), (True, 2.7), (False, 2.05)])
+    # peak 3.2, back in full once the loss has fallen 0.5 (the rise that begins one) from it
+    assert got == [0.25, 0.25, pytest.approx(0.25 + 0.75 * 0.4), pytest.approx(0.25 + 0.75 * 0.6), None, None]
+
+
+def test_the_factor_of_a_followed_instability_ends_with_it():
+    """The loss back at its level: the LR in full at the next step, not a way back of hundreds."""
+    b = _f(recovery_steps=100)
+    assert _follow(b, [(True, 3.0), (True, 2.8), (False, 2.05), (False, 2.0), (False, 1.9)]) == \
+        [0.25, pytest.approx(0.25 + 0.75 * 0.4), None, None, None]
+
+
+def test_a_loss_that_rises_again_after_the_factor_came_back_is_a_relapse():
+    """Down by the rise and up by it again in the same instability: the cause is still there, so a fixed
+    drop and the fixed way back (an LR that stays too high)."""
+    b = _f(recovery_steps=4)
+    got = _follow(b, [(True, 3.0), (True, 2.4), (True, 3.0), (True, 3.1), (False, 2.0), (False, 2.0)])
+    assert got[:2] == [0.25, None] and got[2:4] == [0.25, 0.25]
+    assert got[4:] == [0.25 + 0.75 / 4, 0.25 + 0.75 * 2 / 4]  # the way back of recovery_steps
+
+
+@pytest.mark.parametrize("again", [3.5, 9.0])
+def test_a_loss_that_dips_and_climbs_past_its_old_peak_is_a_relapse_too(again):
+    """An explosion that the factor does not stop: the fast loss dips a little (the factor comes partly
+    back) and climbs by more than the rise, past its old peak or far above it: a relapse, the fixed factor
+    for as long as the instability lasts (not the full LR at the next small dip)."""
+    b = _f(recovery_steps=4)
+    got = _follow(b, [(True, 3.0), (True, 2.9), (True, again), (True, again - 0.3), (True, again - 0.6)])
+    assert got[:2] == [0.25, pytest.approx(0.25 + 0.75 * 0.2)] and got[2:] == [0.25, 0.25, 0.25]
+    assert not b.following and b.lasted == 3
+
+
+def test_a_loss_that_keeps_climbing_is_one_instability_at_its_peak():
+    """Each fast loss above the last (a rise still under way, however steep): the factor at each new peak."""
+    b = _f(recovery_steps=4)
+    assert _follow(b, [(True, 3.0), (True, 5.0), (True, 9.0), (True, 20.0)]) == [0.25] * 4 and b.following
+
+
+def test_a_new_instability_while_the_run_remembers_the_last_one_is_a_relapse():
+    b = _f(recovery_steps=3)
+    assert _follow(b, [(True, 3.0), (False, 2.0), (False, 2.0)]) == [0.25, None, None]
+    assert b.memory == 2  # 3 steps remembered, one taken
+    assert _follow(b, [(True, 2.6), (False, 2.0)]) == [0.25, 0.25 + 0.75 / 3]  # fixed drop and way back
+
+
+def test_once_the_memory_is_out_an_instability_follows_the_loss_again():
+    b = _f(recovery_steps=2)
+    _follow(b, [(True, 3.0), (False, 2.0), (False, 2.0), (False, 2.0)])
+    assert b.memory == 0
+    assert _follow(b, [(True, 3.0), (True, 2.5)]) == [0.25, None]
+
+
+def test_the_memory_is_the_way_back_an_instability_would_have_had():
+    b = _f(recovery_steps=2, recovery_ratio=3.0)
+    _follow(b, [(True, 3.0)] * 4 + [(False, 2.0)])
+    assert b.memory == 12  # 3 x its 4 steps
+
+
+def test_without_follow_the_evidence_changes_nothing():
+    flags = [True, True, False, False, True, False, False, False]
+    plain = _run(InstabilityBackoff(0.5, recovery_steps=4), flags)
+    b = InstabilityBackoff(0.5, recovery_steps=4)
+    assert [b.step(u, 3.0, 2.0, 0.1, 0.5) for u in flags] == plain
+
+
+def test_an_instability_begun_before_the_loss_rose_takes_the_factor_until_the_loss_is_below_its_peak():
+    """An overshoot begins one at the level the loss stands at (peak = ref): the span is the exit margin."""
+    b = InstabilityBackoff(0.25, recovery_steps=10, follow=True)
+    got = [b.step(True, 2.0, 2.0, 0.1, 0.5), b.step(True, 1.95, 2.0, 0.1, 0.5), b.step(True, 1.85, 2.0, 0.1, 0.5)]
+    assert got == [0.25, pytest.approx(0.625), None]
+
+
+_FOLLOWED = [(False, 2.0), (True, 3.0), (True, 3.2), (True, 2.9), (True, 2.6), (True, 3.2), (True, 3.0),
+             (False, 2.0), (False, 2.0), (True, 2.7), (False, 2.0)] + [(False, 2.0)] * 12 + \
+            [(True, 3.0), (True, 2.8), (False, 2.0), (False, 1.9)]
+
+
+@pytest.mark.parametrize("cut", range(1, len(_FOLLOWED)))
+def test_state_round_trip_with_follow_resumes_bit_for_bit(cut):
+    ref = _follow(_f(recovery_steps=6, recovery_ratio=2.0), _FOLLOWED)
+    first = _f(recovery_steps=6, recovery_ratio=2.0)
+    head = _follow(first, _FOLLOWED[:cut])
+    resumed = _f(recovery_steps=6, recovery_ratio=2.0)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict(), allow_nan=False)))
+    assert head + _follow(resumed, _FOLLOWED[cut:]) == ref
+
+
+def test_a_state_from_before_follow_loads_with_nothing_remembered():
+    b = _f()
+    b.load_state_dict({"start": 1.0, "since": 0, "unstable": False, "lasted": 0, "carry": 0})
+    assert b.memory == 0 and _follow(b, [(True, 3.0), (True, 2.5)]) == [0.25, None]
+
+
+def test_a_followed_state_loaded_without_follow_takes_the_fixed_drop_next():
+    b = _f()
+    _follow(b, [(True, 3.0)])
+    fixed = InstabilityBackoff(0.25, recovery_steps=10)
+    fixed.load_state_dict(b.state_dict())
+    assert fixed.memory == 0 and not fixed.following
+
+
+def test_numpy_numbers_in_a_followed_state_load_as_python_numbers():
+    b = _f()
+    b.load_state_dict({"unstable": True, "memory": np.int64(3),
+                       "following": {"peak": np.float32(3.0), "trough": np.float64(2.5), "factor": np.float32(0.5)}})
+    assert type(b.memory) is int and type(b.peak) is float and type(b.followed) is float
+    assert b.step(True, 2.5, 2.0, 0.1, 0.5) is None
+
+
+@pytest.mark.parametrize("state, field", [
+    ({"memory": -1}, "memory"), ({"memory": 1.5}, "memory"), ({"memory": True}, "memory"), ({"memory": "3"}, "memory"),
+    ({"unstable": True, "following": [1]}, "following"), ({"unstable": False, "following": {}}, "following"),
+    ({"unstable": True, "following": {"peak": math.inf}}, "following peak"),
+    ({"unstable": True, "following": {"trough": "2"}}, "following trough"),
+    ({"unstable": True, "following": {"factor": 0.0}}, "following factor"),
+    ({"unstable": True, "following": {"factor": None}}, "following factor"),
+])
+def test_a_bad_followed_state_is_refused_naming_the_field(state, field):
+    with pytest.raises(ValueError, match=f"backoff {field} must be .*got"):
+        _f().load_state_dict(state)

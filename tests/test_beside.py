@@ -163,8 +163,8 @@ def test_a_zero_gradient_is_no_signal_for_a_provisional_level(set_to_none):
     assert not capture.clips()
 
 
-def _hinge(pass_loss: bool):
-    torch.manual_seed(0)
+def _hinge(pass_loss: bool, seed: int = 0):
+    torch.manual_seed(seed)
     w_true, model, capture = torch.randn(16), nn.Linear(16, 1), Capture()
     opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, log_dir=None, verbose=False,
                            sinks=[capture])
@@ -192,8 +192,13 @@ def test_a_loss_that_is_often_exactly_zero_keeps_its_learning_signal():
     positive_alone, _, held_out_alone = _hinge(False)
     assert positive_alone < 300  # the case: more than half of the losses exactly 0 (without the loss signal)
     assert len(loss_clips) < 0.1 * positive, (len(loss_clips), positive)
-    # a chaotic run: 0.133 against 0.122 with the default instability_lr (0.25), 0.098 with 0.5 (measured)
-    assert held_out <= 1.1 * held_out_alone
+    # one run is chaotic (seed 0: 0.135 against 0.122; 0.102 with instability_lr 0.5, one step's factor
+    # apart), so the held-out loss is compared over 6 seeds: 0.0954 against 0.0920 (measured), 36% worse
+    # before the fix
+    others = [(_hinge(True, seed)[2], _hinge(False, seed)[2]) for seed in range(1, 6)]
+    with_loss = (held_out + sum(a for a, _ in others)) / 6
+    without = (held_out_alone + sum(b for _, b in others)) / 6
+    assert with_loss <= 1.1 * without, (with_loss, without)
 
 
 def test_a_loss_rounded_to_a_few_values_is_not_an_outlier_one_rounding_step_up():

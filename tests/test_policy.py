@@ -418,25 +418,49 @@ def test_during_an_instability_the_global_norm_is_held_at_its_baseline():
 
 @pytest.mark.parametrize("kw, factor", [({}, 0.25), ({"instability_lr": 0.2}, 0.2), ({"instability_lr": None}, None),
                                         ({"graded": False}, None), ({"instability_clip": None}, None)])
-def test_the_lr_factor_follows_the_instability_and_comes_back_over_the_recovery(kw, factor):
-    """lr_factor (what the adapter applies to the step being taken): instability_lr during the instability,
-    then back to 1 linearly over instability_lr_recovery accepted steps; None for a clean stretch, a refused
-    step, and without a factor or a trend (graded_response=False, instability_clip=None). The way back's
-    length without instability_lr_recovery_ratio (its stretch: the ratio tests below)."""
+def test_the_lr_factor_follows_the_loss_and_a_relapse_takes_the_fixed_way_back(kw, factor):
+    """lr_factor (what the adapter applies to the step being taken). A first instability: instability_lr at
+    its first step (the loss at its peak), never lower, and the LR in full as soon as the loss has fallen by
+    the rise that began it (here at once: 3 -> 1), before the instability itself ends; the run then
+    remembers it for instability_lr_recovery accepted steps. A second one in that memory is a relapse:
+    instability_lr for as long as it lasts, then back to 1 linearly over instability_lr_recovery accepted
+    steps. None for a clean stretch, a refused step, and without a factor or a trend (graded_response=False,
+    instability_clip=None). The lengths without instability_lr_recovery_ratio (its stretch: tests below)."""
     pol = make(ema_alpha=0.05, instability_lr_recovery=20, instability_lr_recovery_ratio=None, **kw)
     warm(pol, 60, rng=random.Random(0))
     assert pol.lr_factor is None
     rng, got = random.Random(3), []
-    for _ in range(30):  # the loss rises, the norms grow 2x: an instability
-        _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
-        got.append((pol.unstable, pol.lr_factor))
-    for _ in range(60):
-        feed(pol, [1.0, 1.0], loss=1.0 + 0.01 * rng.random())
-        got.append((pol.unstable, pol.lr_factor))
+
+    def rise(n):
+        for _ in range(n):  # the loss rises, the norms grow 2x: an instability
+            _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
+            got.append((pol.unstable, pol.lr_factor))
+
+    def calm(n):
+        for _ in range(n):
+            feed(pol, [1.0, 1.0], loss=1.0 + 0.01 * rng.random())
+            got.append((pol.unstable, pol.lr_factor))
+
+    rise(30)
+    fell = len(got)
+    while pol.unstable:
+        calm(1)
+    ended = len(got)
+    calm(5)
     if factor is None:
+        rise(10)
+        calm(60)
         assert {f for _, f in got} == {None}
         return
-    during = [f for u, f in got if u]
+    assert pol.backoff.memory == 20 - 5  # remembered for instability_lr_recovery steps after it ended
+    first = next(i for i, (u, _) in enumerate(got) if u)
+    during = [f for _, f in got[first:fell]]
+    assert during[0] == factor and all(f is not None and factor <= f < 1.0 for f in during)
+    assert ended - fell > 3 and {f for _, f in got[fell:]} == {None}  # in full while it is still ending
+    rise(10)  # a relapse
+    relapse = len(got) - 10
+    calm(60)
+    during = [f for u, f in got[relapse:] if u]
     assert during and set(during) == {factor}
     end = max(i for i, (u, _) in enumerate(got) if u) + 1
     back = [f for _, f in got[end:end + 20]]
@@ -540,10 +564,10 @@ def test_one_heavy_tailed_ordinary_loss_after_bad_batches_does_not_halve_the_lr(
 
 
 def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_take_over_its_factor():
-    """A natural rise held the LR at a quarter for loss_window steps; it ends on a refused bad batch and the
-    next bad batches begin another instability at once: the accepted steps after them recover towards
-    the full LR (the factor of the first instability is not held for the second, unconfirmed one), over
-    instability_lr_recovery_ratio (20) times the first one's length."""
+    """A natural rise whose factor followed a flat loss (so stayed near a quarter) for loss_window steps; it ends on a refused bad batch and the next bad batches begin another instability at once: the
+    accepted steps after them take the full LR (the factor of the first instability is not held for the
+    second, unconfirmed one), and the run remembers the first for instability_lr_recovery_ratio (20) times
+    its length, so the second, once confirmed, is a relapse: the fixed factor."""
     pol = make(ema_alpha=0.05, instability_lr_recovery=20, loss_window=20)
     rng = random.Random(2)
     warm(pol, 60, rng=rng)
@@ -552,7 +576,9 @@ def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_tak
     assert pol.lr_factor == 0.25  # confirmed at once (no refused step before it)
     while pol.trend.since < pol.trend.max_steps:  # the rise goes on until the trend's longest instability
         _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
-        assert pol.lr_factor == 0.25
+        assert 0.25 <= pol.lr_factor < 1.0  # a flat loss at its peak: the factor stays low
+    lasted = pol.backoff.lasted
+    assert lasted >= 20  # the factor took on the loss_window steps at least
     ended = False
     for f, g in BAD_BATCHES:  # the first ends it (the higher loss is a new level); the next begin another
         assert feed(pol, [2 * g, 2 * g], loss=3.0 * f).kind == REFUSE
@@ -563,9 +589,11 @@ def test_bad_batches_beginning_an_instability_as_a_confirmed_one_ends_do_not_tak
         _grow(pol, rng, loss=pol.trend.ref - 0.01, factor=2.0, steps=1)
         got.append(pol.lr_factor)
         unstable.append(pol.unstable)
-    n = pol.backoff.recovery
-    assert n == 20 * pol.backoff.lasted >= 20 * 20  # the factor took on the loss_window steps at least
-    assert unstable[0] and got == pytest.approx([0.25 + 0.75 * k / n for k in range(1, 9)])
+    assert unstable[0] and got == [None] * 8
+    assert pol.backoff.memory == 20 * lasted - 7  # remembered from the first accepted step after it
+    while pol.lr_factor is None:  # a rise that shows the new instability: a relapse, the fixed factor
+        _grow(pol, rng, loss=pol.trend.ref + 10 * pol.trend.enter_z * pol.trend._unit(), factor=2.0, steps=1)
+    assert pol.lr_factor == 0.25 and not pol.backoff.following
 
 
 def _bar(pol, bars):
@@ -1178,29 +1206,36 @@ def test_an_old_detector_only_checkpoint_resets_the_rest_of_a_policy_that_ran():
         assert (a.kind, a.factors, a.loss_z, a.reasons) == (b.kind, b.factors, b.loss_z, b.reasons)
 
 
-def test_instability_lr_recovery_ratio_stretches_the_way_back_by_the_instability_s_length():
-    """``instability_lr_recovery_ratio``: after an instability the factor took on n accepted steps, the
-    way back lasts max(instability_lr_recovery, ratio x n) steps; the factor during it is the same."""
-    got = {}
+def test_instability_lr_recovery_ratio_stretches_the_memory_and_the_way_back_by_the_instability_s_length():
+    """``instability_lr_recovery_ratio``: after a followed instability of n accepted steps the run remembers
+    it for max(instability_lr_recovery, ratio x n) steps; after a relapse of n steps the way back lasts
+    max(instability_lr_recovery, ratio x n) steps; the factor during either is the same."""
+    got, memory = {}, {}
     for ratio in (None, 3.0):
         pol = make(ema_alpha=0.05, instability_lr_recovery=20, instability_lr_recovery_ratio=ratio)
         warm(pol, 60, rng=random.Random(0))
         rng, trace = random.Random(3), []
-        for _ in range(30):
-            _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
-            trace.append((pol.unstable, pol.lr_factor))
-        for _ in range(250):
-            feed(pol, [1.0, 1.0], loss=1.0 + 0.01 * rng.random())
-            trace.append((pol.unstable, pol.lr_factor))
+        for i in range(30 + 30 + 30 + 250):  # a 30-step rise, 30 calm steps, a 30-step rise (a relapse), calm
+            if i < 30 or 60 <= i < 90:
+                _grow(pol, rng, loss=3.0, factor=2.0, steps=1)
+            else:
+                feed(pol, [1.0, 1.0], loss=1.0 + 0.01 * rng.random())
+            trace.append((pol.unstable, pol.lr_factor, pol.backoff.following))
+            if i == 59:
+                memory[ratio] = pol.backoff.memory
         got[ratio] = trace
-    assert got[None][:30] == got[3.0][:30]  # the same instability, the same factor during it
-    taken = [i for i, (u, f) in enumerate(got[3.0]) if u and f is not None]
+    first = [i for i, (u, _, following) in enumerate(got[3.0]) if u and following]
+    assert got[None][:60] == got[3.0][:60]  # the same first instability, the same factors
+    n1, calm = len(first), 59 - first[-1] - 1  # its length, and the calm steps after it ended
+    assert n1 > 7 and memory[None] == 20 - calm > 0 and memory[3.0] == 3 * n1 - calm
+    taken = [i for i, (u, f, following) in enumerate(got[3.0]) if u and not following]
     n, end = len(taken), taken[-1] + 1
-    assert n > 7 and 3 * n > 20 and end + 3 * n < len(got[3.0])  # the ratio decides; the run sees it end
-    back = [f for _, f in got[3.0][end:end + 3 * n]]
+    assert 60 <= taken[0] < 63 and n > 7 and 3 * n > 20 and end + 3 * n < len(got[3.0])  # the ratio decides
+    assert [f for _, f, _ in got[3.0][taken[0]:end]] == [f for _, f, _ in got[None][taken[0]:end]] == [0.25] * n
+    back = [f for _, f, _ in got[3.0][end:end + 3 * n]]
     assert back[:-1] == pytest.approx([0.25 + 0.75 * k / (3 * n) for k in range(1, 3 * n)])
-    assert back[-1] is None and {f for _, f in got[3.0][end + 3 * n:]} == {None}
-    assert {f for _, f in got[None][end + 20:]} == {None}  # without the ratio: 20 steps
+    assert back[-1] is None and {f for _, f, _ in got[3.0][end + 3 * n:]} == {None}
+    assert {f for _, f, _ in got[None][end + 20:]} == {None}  # without the ratio: 20 steps
 
 
 def _factors_resumed_at(fresh, steps, cut):
@@ -1219,43 +1254,60 @@ def _factors_resumed_at(fresh, steps, cut):
     return got
 
 
-@pytest.mark.parametrize("cut", [5, 20, 45, 70])
+def _follow_then_relapse():
+    """A 25-step rise (followed), 30 calm steps (it ends; the run remembers it), a 10-step rise (a relapse:
+    the fixed factor) and 90 calm steps (its way back of 4 x its length)."""
+    rng = random.Random(5)
+    out = [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(25)]
+    out += [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(30)]
+    out += [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(10)]
+    return out + [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(90)]
+
+
+@pytest.mark.parametrize("cut", [5, 20, 45, 60, 70, 85, 120])
 def test_a_policy_with_recovery_ratio_resumes_bit_for_bit(cut):
-    """The instability's length is saved with the backoff: resumed during the instability or on the way
-    back, the factors are those of the uninterrupted run."""
-    def steps():
-        rng = random.Random(5)
-        out = [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(25)]
-        return out + [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(90)]
+    """The followed instability (its peak, trough and factor), the memory after it, and the relapse's
+    length are saved with the backoff: resumed while it follows the loss, while the run remembers it,
+    during the relapse or on its way back, the factors are those of the uninterrupted run."""
+    steps = _follow_then_relapse
 
     def fresh():
         return make(ema_alpha=0.05, instability_lr_recovery=10, instability_lr_recovery_ratio=4.0)
 
     whole = fresh()
     warm(whole, 60, rng=random.Random(0))
-    ref = []
+    ref, phase = [], []
     for i, (loss, g) in enumerate(steps()):
         feed(whole, [g * (1.0 + 0.01 * (i % 3)), g], loss=loss)
         ref.append(whole.lr_factor)
-    assert sum(f is not None for f in ref) > 40  # the stretched recovery is in the run
+        b = whole.backoff
+        phase.append("follow" if b.following else "relapse" if b.unstable and b.start < 1 else
+                     "back" if b.start < 1 else "memory" if b.memory else "none")
+    assert phase[5] == phase[20] == "follow" and phase[45] == "memory" and phase[60] == phase[70] == "relapse"
+    assert phase[85] == phase[120] == "back"
+    assert sum(f is not None for f in ref[65:]) > 40  # the stretched way back is in the run
     assert _factors_resumed_at(fresh, steps(), cut) == ref
 
 
 def _long_then_short_rise():
-    """A 25-step rise (the factor takes on about 40 steps: a way back of 4 x 41), 40 calm steps of it, then
-    a 3-step rise: a short instability on a long way back."""
+    """A 25-step rise (followed) and 30 calm steps (the run remembers it), a 25-step rise (a relapse: its
+    factor takes on about 40 steps, a way back of 4 x 41), 40 calm steps of that way back, then a 3-step
+    rise: a short instability on a long way back."""
     rng = random.Random(5)
     out = [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(25)]
+    out += [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(30)]
+    out += [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(25)]
     out += [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(40)]
     out += [(3.0 + 0.01 * rng.random(), 2.0) for _ in range(3)]
     return out + [(1.0 + 0.01 * rng.random(), 1.0) for _ in range(160)]
 
 
-@pytest.mark.parametrize("cut", [66, 70, 80, 120, 200])
+@pytest.mark.parametrize("cut", [30, 60, 110, 125, 140, 200])
 def test_a_short_instability_on_a_long_way_back_keeps_its_length_and_resumes_bit_for_bit(cut):
-    """The second instability's own length asks for 4 x 8 = 32 steps back; the way back it interrupted
-    still had 140: the factor returns over 140 steps (not 32), and a policy resumed before, during or
-    after the second one takes the same factors."""
+    """The second relapse's own length asks for 4 x 17 = 68 steps back; the way back it interrupted still had
+    130: the factor returns over 130 steps (not 68), and a policy resumed while the first instability
+    follows the loss, while the run remembers it, on the first relapse's way back, during the second or
+    after it takes the same factors."""
     def fresh():
         return make(ema_alpha=0.05, instability_lr_recovery=10, instability_lr_recovery_ratio=4.0)
 
@@ -1268,9 +1320,88 @@ def test_a_short_instability_on_a_long_way_back_keeps_its_length_and_resumes_bit
         b = whole.backoff
         trace.append((whole.unstable, b.lasted, b.carry, b.recovery))
     second = [i for i, (u, _, carry, _) in enumerate(trace) if u and carry > 0]  # began on the first's way back
-    assert second and 60 < second[0] < 70
+    assert second and 120 < second[0] < 125
     _, lasted, carry, recovery = trace[second[-1] + 1]  # its way back
     assert 0 < 4 * lasted < carry == recovery  # the steps the first way back had left decide
     back = ref[second[-1] + 1:]
     assert all(f is not None for f in back[:recovery - 1]) and set(back[recovery - 1:]) == {None}
     assert _factors_resumed_at(fresh, _long_then_short_rise(), cut) == ref
+
+
+def _noisy_trend(n=60, seed=0):
+    t, rng = LossTrend(), random.Random(seed)
+    for _ in range(n):
+        t.add(2.0 + 0.05 * rng.random())
+    return t
+
+
+def test_three_accepted_losses_over_the_bound_move_the_fast_ema_to_the_new_level():
+    """A loss enters the trend at most 6 noise units over the fast EMA (one bad batch moves it little);
+    LossTrend.JUMP_AFTER (3) accepted losses in a row over that bound are a new level (a task switch, an
+    LR too high): the fast EMA is at the third at once, and the noise is not fed the jump."""
+    t = _noisy_trend()
+    noise = t.noise
+    fasts = []
+    for _ in range(3):
+        bound = t.fast + 6.0 * t._unit()
+        t.add(5.0)
+        fasts.append(t.fast)
+        assert bound < 5.0
+    assert fasts[0] < fasts[1] < 4.0 and fasts[2] == 5.0 and t.over == 0
+    assert t.noise == pytest.approx(noise, rel=0.5)  # fed the two winsorised ones, not the jump
+
+
+@pytest.mark.parametrize("pattern", ["refused", "refused_between", "under_between"])
+def test_refused_losses_or_one_under_the_bound_never_make_a_jump(pattern):
+    """Refused steps' losses (a fault's bad batches) never count towards a jump, and one ordinary loss
+    between high ones starts the count again."""
+    t = _noisy_trend()
+    if pattern == "refused":
+        seq = [(5.0, False)] * 6
+    elif pattern == "refused_between":
+        seq = [(5.0, True), (5.0, True), (5.0, False), (5.0, True), (5.0, True)]
+    else:
+        seq = [(5.0, True), (5.0, True), (2.0, True), (5.0, True), (5.0, True)]
+    for loss, accepted in seq:
+        t.add(loss, accepted=accepted)
+        assert t.fast < 4.5
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_the_jump_count_resumes_bit_for_bit(cut):
+    """``over`` is in the trend's state: a trend resumed between the high losses jumps at the same loss,
+    and a state from before the field counts from 0."""
+    whole, part = _noisy_trend(), _noisy_trend()
+    losses = [5.0, 5.1, 5.2, 5.0, 2.0]
+    for x in losses[:cut]:
+        part.add(x)
+    state = json.loads(json.dumps(part.state_dict()))
+    resumed = LossTrend()
+    resumed.load_state_dict(state)
+    for x in losses:
+        whole.add(x)
+    for x in losses[cut:]:
+        resumed.add(x)
+    assert resumed.state_dict() == whole.state_dict()
+    old = dict(state)
+    del old["over"]
+    fresh = LossTrend()
+    fresh.load_state_dict(old)
+    assert fresh.over == 0
+
+
+def test_a_task_switch_takes_the_full_lr_back_within_a_few_steps():
+    """A legitimate change (a new task from one step on): the loss jumps to a higher level and falls from
+    there at the full LR. The jump begins an instability and cuts the LR, but the fast EMA is at the new
+    level within LossTrend.JUMP_AFTER steps, so the falling loss gives the LR back in full within a few
+    steps, and it stays in full (bench/protection.py task_switch is the measured version)."""
+    pol = make(ema_alpha=0.05)
+    rng = random.Random(4)
+    warm(pol, 80, rng=rng)
+    got = []
+    for k in range(80):
+        feed(pol, [1.5, 1.5], loss=1.0 + 2.0 * 0.95 ** k + 0.01 * rng.random())
+        got.append(pol.lr_factor)
+    cut = [i for i, f in enumerate(got) if f is not None]
+    assert cut and cut[0] <= 3 and got[cut[0]] == 0.25 and cut[-1] <= 8  # cut, then in full within a few steps
+    assert set(got[cut[-1] + 1:]) == {None} and pol.unstable and pol.backoff.following  # the loss is still above

@@ -35,9 +35,9 @@ CONFIGS = {
     "early_instability": {},  # the default guard through a loss that climbs in the first steps (EARLY)
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
-    "recovery": {},  # the default guard with instability_lr's factor on its way back at the cut (RECOVER)
-    # the same two with the way back instability_lr_recovery long whatever the instability's length (the
-    # default stretches it, instability_lr_recovery_ratio 20: its counts are in the checkpoint)
+    "recovery": {},  # the default guard remembering a followed instability at the cut, a relapse after it (RECOVER)
+    # the same two with the way back (and the memory) instability_lr_recovery long whatever the instability's
+    # length (the default stretches it, instability_lr_recovery_ratio 20: its counts are in the checkpoint)
     "instability_no_ratio": {"instability_lr_recovery_ratio": None},
     "recovery_no_ratio": {"instability_lr_recovery_ratio": None},
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
@@ -56,9 +56,10 @@ EARLY = range(4, CUT + 4)
 #: Steps where one layer's gradient is x30 with an ordinary loss: refused at the last step before the
 #: checkpoint, accepted as a new level at the first one after it (calm_shift_steps=2; config "calm_shift").
 SHIFT = range(CUT - 1, CUT + 4)
-#: Steps whose loss is x3 (config "recovery"): an instability that ends before the checkpoint, so instability_lr's
-#: factor is on its way back to 1 there, and a second one after it (x4: the first left a wide noise unit, and a
-#: refused step just before it asks for two confirming losses in a row), which compounds the factor in force.
+#: Steps whose loss is x3 (config "recovery"): a first instability, whose factor follows the loss and which ends
+#: before the checkpoint, so the run remembers it there (``InstabilityBackoff.memory``), and a second one after
+#: it (x4: the first left a wide noise unit, and a refused step just before it asks for two confirming losses
+#: in a row), a relapse within that memory: the fixed drop and way back.
 RECOVER = {**{s: 3.0 for s in range(14, 24)}, **{s: 4.0 for s in range(42, 56)}}
 #: Steps where one layer has no gradient (config "layer_set"): the global baseline describes the other
 #: layers at the checkpoint (``GuardPolicy.global_layers``) and all of them again after it.
@@ -136,12 +137,13 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
         _train(model, opt, batches, 0, CUT, rise, shift, absent, recover=recover)
     assert opt._policy.unstable == (rise or early)  # the instability is under way at the checkpoint
     backoff = opt._policy.backoff  # None without the trend (graded_response=False)
-    assert (backoff is not None and backoff.start < 1.0 and backoff.since > 0) == recover  # on its way back
-    if recover:  # the instability's length decides (20 x 10 steps: longer than the 100), unless switched off
+    remembers = backoff is not None and backoff.memory > 0 and not backoff.unstable and backoff.start == 1.0
+    assert remembers == recover  # the first instability is over, the LR in full, the run remembers it
+    if recover:  # the instability's length decides (20 x its steps: longer than the 100), unless switched off
         stretched = cfg.get("instability_lr_recovery_ratio", 20.0) is not None
-        assert (backoff.recovery > backoff.recovery_steps) == stretched
-    if rise:
-        assert backoff.lasted > 0
+        assert (backoff.memory > backoff.recovery_steps) == stretched
+    if rise:  # a first instability: its factor follows the loss at the checkpoint
+        assert backoff.lasted > 0 and backoff.following and backoff.in_force < 1.0
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
     assert (opt._policy.global_layers is not None) == absent  # the global baseline describes a subset
     buf = io.BytesIO()
@@ -157,8 +159,8 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
         opt.load_state_dict(ckpt["opt"])
         model.load_state_dict(ckpt["model"])
     _train(model, opt, batches, CUT, STEPS, rise, shift, absent, early, recover)
-    if recover:  # the second instability dropped from the factor still in force: below instability_lr
-        assert opt._policy.backoff.start < 0.5
+    if recover:  # the second instability, a relapse, took the fixed drop
+        assert opt._policy.backoff.start == 0.25
     for k, v in model.state_dict().items():  # bit for bit (NaN where monitor mode let a NaN step through)
         torch.testing.assert_close(v, ref[k], rtol=0, atol=0, equal_nan=True, msg=f"{name}: {k} differs after resume")
     assert opt.counters == ref_counters
@@ -230,10 +232,11 @@ def test_helene_resume_is_bit_for_bit_in_other_dtypes(dtype):
                                           ({"instability_lr": None}, False), ({"nan_action": "monitor"}, False)])
 def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     """instability_lr: while the loss trend says the run is unstable (the RISE scenario), the wrapped optimizer
-    steps with its LR times the factor, and after the instability the factor returns linearly to 1 over
-    max(instability_lr_recovery, instability_lr_recovery_ratio x the steps it took the factor on) steps (both
-    off: at once); the scheduler's LR is back after each step (a scheduler never sees the factor), and the
-    flight recorder shows the LR the step used. Off with None and in monitor mode."""
+    steps with its LR times a factor. The first instability's factor follows the loss: instability_lr at its
+    first step (the loss at its peak), never lower, back towards 1 as the loss falls and in full once the
+    instability ends; the run then remembers it for max(instability_lr_recovery, instability_lr_recovery_ratio
+    x the steps it lasted) accepted steps. The scheduler's LR is back after each step (a scheduler never sees
+    the factor), and the flight recorder shows the LR the step used. Off with None and in monitor mode."""
     batches = _batches()
     model, opt = _build(cfg)
     seen = []  # (LR at the wrapped step, unstable)
@@ -245,22 +248,44 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     factor = cfg.get("instability_lr", 0.25) if applied else 1.0
     first = next(i for i, (_, u) in enumerate(seen) if u)
     end = max(i for i, (_, u) in enumerate(seen) if u) + 1
-    ratio = cfg.get("instability_lr_recovery_ratio", 20.0) or 0
-    recovery = max(cfg.get("instability_lr_recovery", 100), math.ceil(ratio * (end - first)))
-    if applied:
-        assert opt._policy.backoff.recovery == recovery
     assert all(u for _, u in seen[first:end]) and set(after) == {3e-3}  # one instability; the LR never kept
     assert {lr for lr, _ in seen[:first]} == {3e-3}
-    assert {lr for lr, _ in seen[first:end]} == {3e-3 * factor}  # the same float product the guard computes
-    back = [lr for lr, _ in seen[end:]]
-    if not applied or recovery == 0:
-        assert set(back) <= {3e-3}
-    else:  # the way back: one (1 - factor) / recovery of the LR per step (the run ends before it is over)
-        assert 0 < len(back) < recovery
-        assert back == pytest.approx([3e-3 * (factor + (1 - factor) * k / recovery) for k in range(1, len(back) + 1)],
-                                     rel=1e-12, abs=0)
+    during = [lr for lr, _ in seen[first:end]]
+    assert during[0] == 3e-3 * factor  # the same float product the guard computes
+    assert all(3e-3 * factor <= lr <= 3e-3 for lr in during)
+    assert {lr for lr, _ in seen[end:]} <= {3e-3}  # in full once it is over
+    if applied:
+        assert len(set(during)) > 3 and during[-1] == 3e-3  # it followed the loss back to the full LR
+        ratio = cfg.get("instability_lr_recovery_ratio", 20.0) or 0
+        memory = max(cfg.get("instability_lr_recovery", 100), math.ceil(ratio * (end - first)))
+        assert opt._policy.backoff.memory == max(0, memory - (len(seen) - 1 - end))
     recorded = [row["lr"] for row in opt.recorder.window() if row["action"] in ("accepted", "clip")]
     assert recorded == [lr for lr, _ in seen][-len(recorded):]
+    opt.close()
+
+
+@pytest.mark.parametrize("cfg", [{}, {"instability_lr": 0.2}, {"instability_lr_recovery_ratio": None}])
+def test_a_relapse_takes_the_fixed_factor_and_the_linear_way_back(cfg):
+    """The RECOVER scenario: a second instability while the run remembers the first is a relapse: the wrapped
+    optimizer steps with instability_lr x its LR for as long as it lasts (not following the loss), and
+    after it the factor returns linearly over max(instability_lr_recovery, ratio x its length) steps."""
+    batches = _batches() * 2  # (the same batches again after STEPS: the relapse's way back in the run)
+    model, opt = _build(cfg)
+    seen = []  # (LR at the wrapped step, unstable, following)
+    _at_update(opt.base_optimizer, lambda o: seen.append((o.param_groups[0]["lr"], opt._policy.unstable,
+                                                         opt._policy.backoff.following)))
+    _train(model, opt, batches, 0, len(batches), recover=True)
+    factor = cfg.get("instability_lr", 0.25)
+    starts = [i for i in range(1, len(seen)) if seen[i][1] and not seen[i - 1][1]]
+    assert len(starts) == 2 and seen[starts[0]][2] and not seen[starts[1]][2]  # followed, then a relapse
+    relapse = [lr for lr, u, _ in seen[starts[1]:] if u]
+    assert len(relapse) > 5 and set(relapse) == {3e-3 * factor}
+    b = opt._policy.backoff
+    back = [lr for lr, u, _ in seen[starts[1] + len(relapse):]]
+    recovery = max(100, math.ceil((cfg.get("instability_lr_recovery_ratio", 20.0) or 0) * b.lasted))
+    assert b.recovery == recovery and b.start == factor and len(back) > 0
+    assert back == pytest.approx([3e-3 * (factor + (1 - factor) * k / recovery) for k in range(1, len(back) + 1)],
+                                 rel=1e-12, abs=0)
     opt.close()
 
 
