@@ -87,7 +87,7 @@ class GuardConfig:
     """While the loss is in an instability (a sustained rise, see ``instability_z``), the global gradient
     norm is capped at this many times its baseline (never looser than ``outlier_ratio``), and the baseline
     is held: it may follow the norm down, not up (> 0; ``None``: off). Needs the loss (``step(loss=...)``); only with ``graded_response``.
-    Measured on natural instabilities in ``bench/protection.py`` (README, "Protection")."""
+    Measured on natural instabilities in ``bench/protection.py`` (docs/protection.md)."""
 
     instability_z: float = 3.0
     """How far the loss's fast EMA must rise above its recent level, in units of the loss's own
@@ -101,7 +101,7 @@ class GuardConfig:
     unless the noise rule, with the noise then known, confirms it. A positive loss that climbs well above
     where the run started is diverging (an LR too high from the first steps); early losses enter the
     trend bounded (at most three times its level), so one outlier does not. Measured in
-    ``bench/protection.py`` (README, "Protection")."""
+    ``bench/protection.py`` (docs/protection.md)."""
 
     instability_overshoot: Optional[float] = 1.5
     """In the first 20 accepted steps with a loss, a global gradient norm this many times every earlier
@@ -116,9 +116,9 @@ class GuardConfig:
     these are the first steps this guard sees (attached to a trained model, too); a guard checkpoint
     carries its state (a resume goes on where it stopped), while one from before it, or the wrapped
     optimizer's own checkpoint with state (a run resumed, not starting), turns it off. AdamW at a
-    constant LR with no warm-up can look the same at its second or third step and fires it (README,
-    "Not there yet"). Needs what the hold needs. Measured in ``bench/protection.py`` (README,
-    "Protection")."""
+    constant LR with no warm-up can look the same at its second or third step and fires it
+    (docs/limitations.md). Needs what the hold needs. Measured in ``bench/protection.py``
+    (docs/protection.md)."""
 
     instability_lr: Optional[float] = 0.25
     """While the loss is in an instability, the wrapped optimizer steps with its LR times a factor that

@@ -430,7 +430,7 @@ def test_the_instability_hold_survives_a_layer_that_comes_and_goes():
 def test_a_layer_that_joins_later_is_guarded_while_it_warms_up():
     """The global rule leaves a young (joining) layer out; a x1000 fault on its third step was then taken
     unscaled. While it warms up, a norm over spike_threshold x its young mean is scaled back (early_clip,
-    reason 'warmup'); like the run's own early clip, its young baseline takes the raw norm (README: Not
+    reason 'warmup'); like the run's own early clip, its young baseline takes the raw norm (docs/limitations.md: Not
     there yet)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))

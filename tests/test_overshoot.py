@@ -164,7 +164,7 @@ def test_the_rule_takes_numpy_and_tensor_ratios_and_state_values():
 @pytest.mark.parametrize("sigma, budget", [(0.1, 1), (0.2, 8), (0.3, 37), (0.5, 67)])
 def test_false_alarms_on_a_flat_loss_with_noisy_norms(sigma, budget):
     """A loss that makes no progress (a trained model the guard was attached to) with i.i.d. lognormal global
-    norms: the seeds of 200 with an overshoot in their 20 steps (measured, bench-free; README says so). The
+    norms: the seeds of 200 with an overshoot in their 20 steps (measured, bench-free; docs/limitations.md says so). The
     rule cannot tell a noisy early norm from a jump with two or three norms seen: its false alarms grow with
     the noise."""
     alarms = 0

@@ -240,7 +240,7 @@ def _floor_and_spikes(rng):  # a loss at a floor with occasional spikes (fine-tu
 def test_a_flat_noisy_loss_is_rarely_an_early_instability(family, budget):
     """An outside review: with the rise alone, a flat loss at a floor with spikes was an instability in 176 of 200
     seeds, N(0.1, 0.3) in 96. The rise must also exceed EARLY_GATE noise units, the noise as it was before the
-    rise: these are the false alarms left in 200 seeds of 19 losses (measured, bench-free; README says so)."""
+    rise: these are the false alarms left in 200 seeds of 19 losses (measured, bench-free; docs/limitations.md says so)."""
     alarms = 0
     for seed in range(200):
         rng, t = random.Random(seed), LossTrend(early_rise=0.5)
@@ -264,7 +264,7 @@ def test_a_run_that_starts_at_zero_finds_its_level(first):
     assert t.fast > 2.0
     assert t.calm(2.3)  # calm_shift_steps works again
     # (a rise from 0 or 1e-6 to 2.3 in the first losses is a climb above where the run started: with
-    # instability_rise it is an early instability, held until loss_window steps, as README says)
+    # instability_rise it is an early instability, held until loss_window steps, as docs/detection.md says)
 
 
 @pytest.mark.parametrize("start", ["climb", "zero"])
@@ -317,7 +317,7 @@ def test_an_early_alarm_on_a_flat_noisy_loss_ends_when_the_noise_is_known():
 def test_a_first_loss_below_the_level_the_run_settles_at_is_no_instability(first):
     """A first loss below the level the run settles at (4.6, then a steady 7 +- 0.3) is no instability: the
     reference is the fast EMA of the first 3 losses (SETTLE). (A first loss of 2.0 still is, in 21 of 50 seeds
-    after the 20th loss, as before this stop: README, Not there yet.)"""
+    after the 20th loss, as before this stop: docs/limitations.md.)"""
     for seed in range(50):
         rng, t = random.Random(seed), LossTrend(early_rise=0.5)
         for x in [first] + [7 + 0.3 * rng.gauss(0, 1) for _ in range(200)]:
