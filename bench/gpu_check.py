@@ -96,7 +96,7 @@ def count_syncs(device: torch.device, steps: int) -> List[str]:
         ("guard, log_dir=None", {"log_dir": None}),
         ("guard, nan_action=rollback", {"nan_action": "rollback"}),
         ("guard, track_update_size=True", {"track_update_size": True}),
-        ("guard, graded_response=False", {"graded_response": False}),
+        ("guard, graded_response=False", {"tuning": "seed"}),
         ("guard, log_every=1", {"log_every": 1}),
     ]
     lines = ["## 1. Host syncs per step (torch.cuda.set_sync_debug_mode('warn'))", "",
@@ -194,7 +194,7 @@ def bit_identity(device: torch.device, steps: int) -> List[str]:
                                 # the same without the graded response: comparable even if the device's
                                 # numerics make the default guard scale back some other step
                                 ("x1000 spike, skip, graded_response=False", lambda m: scale_grad(fc(m), 1000.0),
-                                 {"graded_response": False}),
+                                 {"tuning": "seed"}),
                                 # a snapshot after every accepted step: the rollback returns to just before step k
                                 ("NaN, rollback", lambda m: poison_grad(fc(m)),
                                  {"nan_action": "rollback", "rollback_interval": 1}),

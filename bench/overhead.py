@@ -125,7 +125,7 @@ class Trainer:
         elif method == "guard-bare":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False)
         elif method == "guard-seed":
-            self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, graded_response=False)
+            self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False, tuning="seed")
         elif method == "guard-nobuf":
             self.opt = GuardedOptimizer(base, model, log_dir=None, verbose=False)
             self.opt._containment.buffers = BufferGuard([])  # benchmark-only: no buffer tracking

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = {"default": {}, "ungraded": {"graded_response": False}, "rollback": {"nan_action": "rollback"}}
+CONFIGS = {"default": {}, "ungraded": {"tuning": "seed"}, "rollback": {"nan_action": "rollback"}}
 SCENARIOS = {"default": ["clean", "high_lr", "lr_jump", "attn_logit", "spike", "nan", "inf", "bad_batch", "bursty",
                          "drift", "level_shift", "bad_run"],
              "ungraded": ["high_lr", "spike", "bad_run", "level_shift"],

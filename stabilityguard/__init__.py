@@ -35,6 +35,7 @@ from .events import (  # noqa: E402
     StepSummary,
 )
 from .sinks import ConsoleSink, JsonlSink, Sink, SpikeReportSink  # noqa: E402
+from .tuning import TUNING_PRESETS, DetectionTuning  # noqa: E402
 
 from typing import TYPE_CHECKING  # noqa: E402
 
@@ -61,6 +62,7 @@ __all__ = [
     "BaselineReset",
     "ConfigError",
     "ConsoleSink",
+    "DetectionTuning",
     "EventKind",
     "FlightRecord",
     "GradientSpikeError",
@@ -78,6 +80,7 @@ __all__ = [
     "Spike",
     "SpikeReportSink",
     "StabilityGuardError",
+    "TUNING_PRESETS",
     "StepSummary",
     "TrackerUnreachable",
     "__version__",

@@ -12,7 +12,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .config import GuardConfig, shown
+from .checks import shown
+from .config import GuardConfig
+from .tuning import DetectionTuning, tuning_hint
 from .errors import ConfigError
 
 
@@ -40,6 +42,9 @@ def check_arguments(base_opt: Any, model: Any, config: Optional[GuardConfig], se
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module or None; got {type(model).__name__}")
     unknown = sorted(set(settings) - set(GuardConfig.field_names()))
+    tuned = [name for name in unknown if name in DetectionTuning.field_names()]
+    if tuned:
+        raise TypeError(f"GuardedOptimizer() got an unexpected keyword argument {tuned[0]!r}: {tuning_hint(tuned[0])}")
     if unknown:
         raise TypeError(f"GuardedOptimizer() got an unexpected keyword argument {unknown[0]!r}; the settings "
                         f"are the GuardConfig fields: {', '.join(GuardConfig.field_names())}")

@@ -326,7 +326,7 @@ class Confirmation:
         doubt = bool(doubt)
         if need == 2 and not doubt:
             raise ValueError("confirmation need must be 0 or 1 without doubt (two losses are asked for only "
-                             f"after refused steps); got need=2, doubt=False")
+                             "after refused steps); got need=2, doubt=False")
         if isinstance(ago, bool) or not isinstance(ago, numbers.Integral) or ago < 0:
             raise ValueError(f"confirmation refused_ago must be an integer >= 0; got {ago!r}")
         self.need, self.doubt, self.refused_ago = int(need), doubt, min(int(ago), self.REFUSED_MEMORY)

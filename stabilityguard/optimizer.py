@@ -59,11 +59,14 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
         sinks: Extra sinks (e.g. ``WandBBridge()``), added after the built-in ones.
         **settings: Any :class:`GuardConfig` field, e.g. ``spike_threshold=10.0``, ``nan_action="skip"``
             (``"rollback"``, ``"raise"``, ``"monitor"``), ``log_every=50``, ``log_dir="./sg_logs"``,
-            ``graded_response=True``, ``outlier_ratio=3.0``, ``enable_spam=False``; each field's
-            docstring in :class:`GuardConfig` says what it does.
+            ``enable_spam=False``, ``tuning="default"`` (the detection rules' constants: a preset, ``"seed"``
+            for the original design's decision, or a dict such as ``{"outlier_ratio": 3.0}``; see
+            :mod:`stabilityguard.tuning`); each field's docstring in :class:`GuardConfig` says what it does.
 
     Raises:
         ConfigError: For an invalid argument (the message names it, the allowed values and the value).
+        TypeError: For a name that is no setting (a detection constant given as one says to pass it in
+            ``tuning=``).
 
     Example:
         >>> model = torch.nn.Linear(4, 1)

@@ -192,20 +192,21 @@ class GuardPolicy:
     def from_config(cls, layer_names: Sequence[str], param_names: Sequence[str], layer_of_param: Sequence[int],
                     cfg: Any) -> "GuardPolicy":
         """A policy over these layers and parameters (series ``layer:<name>`` then ``param:<name>``; each
-        parameter's layer by index) with the settings of a :class:`~stabilityguard.GuardConfig`."""
+        parameter's layer by index) with the settings of a :class:`~stabilityguard.GuardConfig` and its ``tuning``."""
         n = len(layer_names)
         names = [f"layer:{x}" for x in layer_names] + [f"param:{x}" for x in param_names]
+        t = cfg.tuning
         return cls(names, n, list(range(n)) + list(layer_of_param), spike_threshold=cfg.spike_threshold,
-                   ema_alpha=cfg.ema_alpha, warmup_steps=cfg.warmup_steps, level_shift_patience=cfg.level_shift_patience,
-                   graded=cfg.graded_response, outlier_ratio=cfg.outlier_ratio,
-                   loss_z_threshold=cfg.loss_z_threshold, loss_window=cfg.loss_window,
-                   level_shift_steps=cfg.level_shift_steps, level_shift_spread=cfg.level_shift_spread,
-                   instability_clip=cfg.instability_clip, instability_z=cfg.instability_z,
-                   instability_rise=cfg.instability_rise, instability_lr=cfg.instability_lr,
-                   instability_lr_recovery=cfg.instability_lr_recovery,
-                   instability_lr_recovery_ratio=cfg.instability_lr_recovery_ratio,
-                   spike_jump=cfg.spike_jump, calm_shift_steps=cfg.calm_shift_steps, early_clip=cfg.early_clip,
-                   coherent_share=cfg.coherent_share, instability_overshoot=cfg.instability_overshoot)
+                   ema_alpha=cfg.ema_alpha, warmup_steps=cfg.warmup_steps, level_shift_patience=t.level_shift_patience,
+                   graded=t.graded_response, outlier_ratio=t.outlier_ratio,
+                   loss_z_threshold=t.loss_z_threshold, loss_window=t.loss_window,
+                   level_shift_steps=t.level_shift_steps, level_shift_spread=t.level_shift_spread,
+                   instability_clip=t.instability_clip, instability_z=t.instability_z,
+                   instability_rise=t.instability_rise, instability_lr=t.instability_lr,
+                   instability_lr_recovery=t.instability_lr_recovery,
+                   instability_lr_recovery_ratio=t.instability_lr_recovery_ratio,
+                   spike_jump=t.spike_jump, calm_shift_steps=t.calm_shift_steps, early_clip=t.early_clip,
+                   coherent_share=t.coherent_share, instability_overshoot=t.instability_overshoot)
 
     # the parts' state, under the names it had as the policy's own attributes
     trend = _part("instability", "trend", "The loss trend (``None``: ``instability_clip`` off).")

@@ -314,7 +314,8 @@ def test_reuse_rejects_foreign_or_corrupt_csv(bench, tmp_path, content):
 @pytest.mark.parametrize("argv", [["--steps", "5"], ["--workloads", "resnet"], ["--methods", "sgd"],
                                   ["--scenarios", "meteor"], ["--seeds", "x"], ["--guard-options", "{oops"],
                                   ["--guard-options", "[1, 2]"], ["--guard-options", "{}"],
-                                  ["--guard-options", '{"outlier_ratio": 0.5}'],
+                                  ["--guard-options", '{"tuning": {"outlier_ratio": 0.5}}'],
+                                  ["--guard-options", '{"outlier_ratio": 3.0}'],
                                   ["--guard-options", '{"no_such_setting": 1}']])
 def test_cli_rejects_bad_arguments(bench, argv):
     with pytest.raises(SystemExit):
@@ -340,9 +341,9 @@ def test_targets_judge_the_guard_against_the_best_peer(bench):
 
 def test_guard_variants_run_beside_the_default(bench):
     rows = bench["main"](["--steps", "30", "--workloads", "mlp", "--scenarios", "clean", "--seeds", "0",
-                          "--methods", "plain", "--guard-options", '{"graded_response": false}'])
+                          "--methods", "plain", "--guard-options", '{"tuning": {"graded_response": false}}'])
     names = [r["method"] for r in rows]
-    assert names == ["plain", 'ours {"graded_response": false}']
+    assert names == ["plain", 'ours {"tuning": {"graded_response": false}}']
     assert rows[1]["gap_to_clean"] is not None and not rows[1]["diverged"]
 
 

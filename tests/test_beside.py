@@ -49,7 +49,7 @@ def test_a_loss_instability_before_any_gradient_then_an_unfrozen_model_never_div
     for p in backbone.parameters():
         p.requires_grad_(False)
     guarded = GuardedOptimizer(torch.optim.SGD(backbone.parameters(), lr=1e-2), backbone, log_dir=None,
-                               verbose=False, early_clip=early_clip)
+                               verbose=False, tuning={"early_clip": early_clip})
     head_opt = torch.optim.SGD(head.parameters(), lr=1e-2)
     for step in range(70):
         if step == 40:

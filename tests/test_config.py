@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
+from stabilityguard import TUNING_PRESETS, ConfigError, DetectionTuning, GuardConfig, GuardedOptimizer
+
+TUNING = set(DetectionTuning.field_names())
+
+
+def settings(fields):
+    """A table's fields as settings: the detection rules' constants go in ``tuning=``."""
+    tuned = {k: v for k, v in fields.items() if k in TUNING}
+    rest = {k: v for k, v in fields.items() if k not in TUNING}
+    return {**rest, "tuning": tuned} if tuned else rest
 
 
 @pytest.mark.parametrize(
@@ -50,9 +59,9 @@ from stabilityguard import ConfigError, GuardConfig, GuardedOptimizer
 def test_invalid_arguments_fail_at_construction(kwargs, pattern):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match=pattern):
-        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **settings(kwargs))
     with pytest.raises(ValueError, match=pattern):  # ConfigError is a ValueError too
-        GuardConfig(**kwargs)
+        GuardConfig(**settings(kwargs))
 
 
 def test_unknown_argument_is_a_type_error():
@@ -130,17 +139,18 @@ def test_number_types_are_stored_as_plain_python_values():
     from fractions import Fraction
 
     np = pytest.importorskip("numpy")
-    cfg = GuardConfig(log_dir=None, verbose=False, coherent_share=np.float64(0.5), ema_alpha=np.float64(0.1),
+    cfg = GuardConfig(log_dir=None, verbose=False, ema_alpha=np.float64(0.1),
                       spike_threshold=Fraction(21, 2), nan_action=np.str_("skip"), log_every=np.int64(5),
-                      calm_shift_steps=np.int32(3), early_clip=np.bool_(True), outlier_ratio=torch.tensor(4.0),
-                      instability_lr=np.float32(0.25), instability_rise=torch.tensor(0.75),
-                      instability_lr_recovery=np.int64(50), instability_lr_recovery_ratio=np.int32(10))
+                      tuning={"coherent_share": np.float64(0.5), "calm_shift_steps": np.int32(3),
+                              "early_clip": np.bool_(True), "outlier_ratio": torch.tensor(4.0),
+                              "instability_lr": np.float32(0.25), "instability_rise": torch.tensor(0.75),
+                              "instability_lr_recovery": np.int64(50), "instability_lr_recovery_ratio": np.int32(10)})
     plain = {"coherent_share": float, "ema_alpha": float, "spike_threshold": float, "nan_action": str,
              "log_every": int, "calm_shift_steps": int, "early_clip": bool, "outlier_ratio": float,
              "instability_lr": float, "instability_rise": float, "instability_lr_recovery": int,
              "instability_lr_recovery_ratio": int}
     for name, kind in plain.items():
-        assert type(getattr(cfg, name)) is kind, name
+        assert type(getattr(cfg.tuning if name in TUNING else cfg, name)) is kind, name
     assert cfg.spike_threshold == 10.5
     json.dumps(cfg.to_dict())
     from stabilityguard import Action
@@ -160,4 +170,83 @@ def test_number_types_are_stored_as_plain_python_values():
 ])
 def test_huge_numbers_and_optional_settings_get_a_config_error_that_says_what_is_allowed(kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        GuardConfig(log_dir=None, verbose=False, **kwargs)
+        GuardConfig(log_dir=None, verbose=False, **settings(kwargs))
+
+
+# ----------------------------------------------------------------------------- tuning=
+def test_the_detection_constants_are_one_setting_a_preset_or_a_dict():
+    """The rules' constants are not settings: GuardConfig has one field for them, stored as a DetectionTuning."""
+    assert GuardConfig().tuning == DetectionTuning() == DetectionTuning.preset("default")
+    assert GuardConfig(tuning=None).tuning == DetectionTuning()
+    seed = GuardConfig(tuning="seed").tuning
+    assert seed.graded_response is False and seed.preset_name == "seed"
+    assert {k: v for k, v in seed.to_dict().items() if k != "graded_response"} == \
+        {k: v for k, v in DetectionTuning().to_dict().items() if k != "graded_response"}
+    custom = GuardConfig(tuning={"instability_lr": None, "spike_jump": 5}).tuning
+    assert custom.instability_lr is None and custom.spike_jump == 5 and custom.preset_name is None
+    assert custom.outlier_ratio == DetectionTuning().outlier_ratio  # the rest: the defaults
+    assert GuardConfig(tuning=DetectionTuning(loss_window=64)).tuning.loss_window == 64
+    assert set(TUNING_PRESETS) == {"default", "seed"}
+    assert len(GuardConfig.field_names()) == 33  # was 50: the 18 constants are one field
+
+
+def test_the_records_still_name_every_constant():
+    """to_dict (the run_start record's config, the trackers' sg.* params) keeps the constants by name, in the
+    place of tuning, so logs, reports and tracker params are as before."""
+    d = GuardConfig(tuning={"instability_lr": 0.5}, log_dir=None).to_dict()
+    assert "tuning" not in d and d["instability_lr"] == 0.5 and d["graded_response"] is True
+    names = list(d)
+    assert names[:7] == ["spike_threshold", "nan_action", "log_every", "log_dir", "ema_alpha", "warmup_steps",
+                         "verbose"]
+    assert names[7:7 + len(TUNING)] == list(DetectionTuning.field_names())
+    assert len(d) == 32 + len(TUNING)
+
+
+@pytest.mark.parametrize("value, pattern", [
+    ("fast", r"tuning must be one of 'default', 'seed', a DetectionTuning or a dict of its fields; got 'fast'"),
+    (5, r"tuning must be one of 'default', 'seed', a DetectionTuning or a dict of its fields; got int 5"),
+    (["seed"], r"tuning must be .*got list \['seed'\]"),
+    ({"instability_lrr": 0.5}, r"tuning has no field 'instability_lrr'; its fields are level_shift_patience, graded_response, "),
+    ({"instability_lr": 2.0}, r"instability_lr must be a finite number > 0 and <= 1 or None; got 2.0"),
+    ({"graded_response": "no"}, r"graded_response must be True or False; got 'no'"),
+])
+def test_a_bad_tuning_names_what_is_allowed(value, pattern):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=pattern):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, tuning=value)
+    with pytest.raises(ConfigError, match=pattern):
+        GuardConfig(tuning=value)
+
+
+def test_a_constant_given_as_a_setting_says_where_it_goes():
+    model = torch.nn.Linear(2, 2)
+    hint = r"'instability_lr': it is a constant of the detection rules, not a setting: pass tuning=\{'instability_lr'"
+    with pytest.raises(TypeError, match=hint):
+        GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, instability_lr=0.5)
+    with pytest.raises(TypeError, match=hint):
+        GuardConfig(instability_lr=0.5)
+
+
+def test_tuning_takes_numpy_and_tensor_scalars_and_the_policy_gets_them():
+    np = pytest.importorskip("numpy")
+    model = torch.nn.Linear(2, 2)
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=None, verbose=False,
+                           tuning={"outlier_ratio": np.float32(5.0), "loss_window": torch.tensor(64),
+                                   "graded_response": np.bool_(True)})
+    t = opt.config.tuning
+    assert (type(t.outlier_ratio), type(t.loss_window), type(t.graded_response)) == (float, int, bool)
+    model(torch.randn(3, 2)).sum().backward()
+    opt.step()
+    assert opt._policy.outlier_ratio == 5.0
+    opt.close()
+
+
+def test_a_config_with_tuning_is_replaced_and_compared_like_any_config():
+    import dataclasses
+
+    cfg = GuardConfig(tuning={"instability_lr": None}, log_dir=None)
+    again = dataclasses.replace(cfg, spike_threshold=20.0)
+    assert again.tuning == cfg.tuning and again.spike_threshold == 20.0
+    assert dataclasses.replace(cfg, tuning="seed").tuning.graded_response is False
+    assert GuardConfig(tuning={}, log_dir=None) == GuardConfig(log_dir=None)
+    assert hash(GuardConfig(log_dir=None)) == hash(GuardConfig(tuning="default", log_dir=None))

@@ -143,7 +143,7 @@ def test_events_are_valid_json_and_bounded(run_factory):
 
 def test_level_shift_in_real_training_is_accepted_after_patience(run_factory):
     """Both sides: a 3-step burst is skipped; a lasting x20 level (e.g. after unfreezing) is accepted."""
-    run = run_factory(level_shift_patience=5)
+    run = run_factory(tuning={"level_shift_patience": 5})
     burst = {s: (lambda m: scale_grad(m.blocks[0].mlp.fc, 20.0)) for s in (30, 31, 32)}
     run.train(40, faults=burst)
     assert run.opt.counters.skipped == 3 and run.opt.counters.baseline_resets == 0

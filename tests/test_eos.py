@@ -204,7 +204,7 @@ def test_warnings_are_telemetry_only(tmp_path):
 
     opt = GuardedOptimizer(torch.optim.SGD([theta], lr=1.0), None, log_dir=tmp_path, verbose=False,
                            warmup_steps=100, enable_edge_of_stability=True, eos_check_interval=2,
-                           eos_method="both", eos_probe=loss_fn, instability_overshoot=None)
+                           eos_method="both", eos_probe=loss_fn, tuning={"instability_overshoot": None})
     for _ in range(6):
         loss = loss_fn()
         loss.backward()

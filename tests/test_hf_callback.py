@@ -358,6 +358,9 @@ def test_refuses_an_optimizer_that_is_not_a_torch_optimizer(tmp_path):
     ({"index_key": ""}, "index_key must be a non-empty string"),
     ({"index_key": 3}, "index_key must be a non-empty string"),
     ({"spike_treshold": 5.0}, "unknown GuardedOptimizer setting"),
+    ({"instability_lr": 0.5}, r"'instability_lr': it is a constant of the detection rules, not a setting: pass tuning="),
+    ({"tuning": "fast"}, "tuning must be one of 'default', 'seed'"),
+    ({"tuning": {"spike_jump": 0.5}}, "spike_jump must be a finite number >= 1"),
     ({"nan_action": "ignore"}, "nan_action must be one of"),
     ({"spike_threshold": None}, "spike_threshold"),
 ])

@@ -78,7 +78,7 @@ def reads_per_step(run: Run, steps: int, faults=None) -> List[int]:
 
 @pytest.mark.parametrize("kw", [
     {},  # the default configuration: graded response, loss signals, flight recorder, buffer tracking
-    {"graded_response": False},
+    {"tuning": "seed"},
     {"nan_action": "rollback"},
     {"track_update_size": True},  # the update size rides on the step's one transfer
     {"log_every": 1},  # a summary every step: no read of its own

@@ -175,6 +175,9 @@ def test_a_record_whose_samples_differ_is_not_skipped(tmp_path, caplog):
     ({"index_key": b"idx"}, "index_key must be a non-empty string"),
     ({"nan_action": "ignore"}, "nan_action must be one of"),
     ({"warmup": 3}, "unknown GuardedOptimizer setting"),
+    ({"graded_response": False}, r"'graded_response': it is a constant of the detection rules, not a setting: pass tuning="),
+    ({"tuning": "seed"}, None),  # a preset: accepted
+    ({"tuning": {"nope": 1}}, "tuning has no field 'nope'"),
     ({"clip_grad_norm": 1.0}, "gradient_clip_val"),  # Lightning clips; the guard clipping again would clip twice
     ({"skip_refused_batches": ""}, "skip_refused_batches must be True, False or the path"),
 ])

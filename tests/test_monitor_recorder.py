@@ -150,10 +150,11 @@ def test_flight_recorder_size_is_validated(size):
                                      ({"coherent_share": True}, "coherent_share"),
                                      ({"coherent_share": float("nan")}, "coherent_share")])
 def test_graded_settings_are_validated(kw, name):
+    """The detection rules' constants, given in tuning=, are validated at construction like any setting."""
     from stabilityguard import ConfigError
 
     with pytest.raises(ConfigError, match=name):
-        GuardedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), log_dir=None, **kw)
+        GuardedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), log_dir=None, tuning=kw)
 
 
 def test_instability_settings_take_numpy_and_tensor_scalars_and_none():
@@ -161,16 +162,17 @@ def test_instability_settings_take_numpy_and_tensor_scalars_and_none():
 
     from stabilityguard import GuardConfig
 
-    cfg = GuardConfig(instability_clip=np.float32(1.5), instability_z=torch.tensor(2.0), spike_jump=np.int64(6),
-                      calm_shift_steps=np.int32(3), verbose=False)
+    cfg = GuardConfig(tuning={"instability_clip": np.float32(1.5), "instability_z": torch.tensor(2.0),
+                              "spike_jump": np.int64(6), "calm_shift_steps": np.int32(3)}, verbose=False).tuning
     assert (cfg.instability_clip, cfg.instability_z, cfg.spike_jump, cfg.calm_shift_steps) == (1.5, 2.0, 6, 3)
     assert all(type(v) in (int, float) for v in (cfg.instability_clip, cfg.instability_z, cfg.spike_jump))
     assert type(cfg.calm_shift_steps) is int
-    assert GuardConfig(early_clip=np.bool_(False), verbose=False).early_clip is False
-    share = GuardConfig(coherent_share=np.float32(0.25), verbose=False).coherent_share
+    assert GuardConfig(tuning={"early_clip": np.bool_(False)}, verbose=False).tuning.early_clip is False
+    share = GuardConfig(tuning={"coherent_share": np.float32(0.25)}, verbose=False).tuning.coherent_share
     assert share == 0.25 and type(share) is float
-    assert GuardConfig(coherent_share=None, verbose=False).coherent_share is None
-    off = GuardConfig(instability_clip=None, spike_jump=None, calm_shift_steps=None, verbose=False)
+    assert GuardConfig(tuning={"coherent_share": None}, verbose=False).tuning.coherent_share is None
+    off = GuardConfig(tuning={"instability_clip": None, "spike_jump": None, "calm_shift_steps": None},
+                      verbose=False).tuning
     assert off.instability_clip is None and off.spike_jump is None and off.calm_shift_steps is None
 
 
@@ -181,7 +183,7 @@ def test_update_size_is_read_with_the_next_transfer_and_exact_for_sgd(tmp_path, 
     model = torch.nn.ModuleDict({"net": net, "unused": torch.nn.Linear(2, 2)}) if unused_layer else net
     lr = 0.05
     opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model, log_dir=tmp_path, verbose=False,
-                           log_every=5, track_update_size=True, graded_response=False)
+                           log_every=5, track_update_size=True, tuning="seed")
     numel = sum(p.numel() for p in model.parameters())
     expected = []
     for _ in range(10):

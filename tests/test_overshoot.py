@@ -394,15 +394,16 @@ def test_a_checkpoint_from_before_the_rule_retires_it_unless_the_run_had_not_beg
                                           ([1.5], r"\[1.5\]"), (True, "True")])
 def test_bad_settings_are_refused_at_construction(value, shown):
     with pytest.raises(ConfigError, match=rf"instability_overshoot must be a finite number > 1 or None; got {shown}"):
-        GuardConfig(log_dir=None, verbose=False, instability_overshoot=value)
+        GuardConfig(log_dir=None, verbose=False, tuning={"instability_overshoot": value})
 
 
 def test_numpy_and_tensor_settings_are_stored_as_floats():
     np = pytest.importorskip("numpy")
     for value, kind in ((np.float32(2.0), float), (np.int64(2), int), (torch.tensor(2.0), float)):
-        cfg = GuardConfig(log_dir=None, verbose=False, instability_overshoot=value)
+        cfg = GuardConfig(log_dir=None, verbose=False, tuning={"instability_overshoot": value}).tuning
         assert type(cfg.instability_overshoot) is kind and cfg.instability_overshoot == 2.0
-    assert GuardConfig(log_dir=None, verbose=False, instability_overshoot=None).instability_overshoot is None
+    assert GuardConfig(log_dir=None, verbose=False,
+                       tuning={"instability_overshoot": None}).tuning.instability_overshoot is None
 
 
 # ----------------------------------------------------------------------------- the guard, resumed
@@ -533,7 +534,7 @@ def test_the_guard_cuts_the_lr_at_the_overshoot_and_a_resume_equals_an_uninterru
     ref_policy = opt.state_dict()["stabilityguard"]["policy"]
     opt.close()
 
-    off_model, off = _build(instability_overshoot=None)
+    off_model, off = _build(tuning={"instability_overshoot": None})
     off_factors: list = []
     _train(off_model, off, batches, 0, STEPS, off_factors)
     assert off_factors == [None] * STEPS  # the same run without the rule takes no factor

@@ -24,7 +24,7 @@ FAULTS = {
 
 CONFIGS = {
     "default": {},
-    "seed_behaviour": {"graded_response": False},
+    "seed_behaviour": {"tuning": "seed"},
     "rollback": {"nan_action": "rollback", "rollback_interval": 7},
     "monitor": {"nan_action": "monitor"},
     "spam": {"enable_spam": True},
@@ -38,8 +38,8 @@ CONFIGS = {
     "recovery": {},  # the default guard remembering a followed instability at the cut, a relapse after it (RECOVER)
     # the same two with the way back (and the memory) instability_lr_recovery long whatever the instability's
     # length (the default stretches it, instability_lr_recovery_ratio 20: its counts are in the checkpoint)
-    "instability_no_ratio": {"instability_lr_recovery_ratio": None},
-    "recovery_no_ratio": {"instability_lr_recovery_ratio": None},
+    "instability_no_ratio": {"tuning": {"instability_lr_recovery_ratio": None}},
+    "recovery_no_ratio": {"tuning": {"instability_lr_recovery_ratio": None}},
     "eos_secant": {"enable_edge_of_stability": True, "eos_method": "secant", "eos_check_interval": 5},
     "everything": {"nan_action": "rollback", "rollback_interval": 5, "enable_spam": True,
                    "enable_auto_calibration": True, "auto_calibration_warmup_steps": 12, "enable_helene": True,
@@ -140,7 +140,7 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     remembers = backoff is not None and backoff.memory > 0 and not backoff.unstable and backoff.start == 1.0
     assert remembers == recover  # the first instability is over, the LR in full, the run remembers it
     if recover:  # the instability's length decides (20 x its steps: longer than the 100), unless switched off
-        stretched = cfg.get("instability_lr_recovery_ratio", 20.0) is not None
+        stretched = opt.config.tuning.instability_lr_recovery_ratio is not None
         assert (backoff.memory > backoff.recovery_steps) == stretched
     if rise:  # a first instability: its factor follows the loss at the checkpoint
         assert backoff.lasted > 0 and backoff.following and backoff.in_force < 1.0
@@ -225,11 +225,11 @@ def test_helene_resume_is_bit_for_bit_in_other_dtypes(dtype):
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
 
 
-@pytest.mark.parametrize("cfg, applied", [({}, True), ({"instability_lr": 0.2}, True),
-                                          ({"instability_lr_recovery": 0, "instability_lr_recovery_ratio": None}, True),
-                                          ({"instability_lr_recovery_ratio": None}, True),
-                                          ({"instability_lr_recovery": 0}, True),
-                                          ({"instability_lr": None}, False), ({"nan_action": "monitor"}, False)])
+@pytest.mark.parametrize("cfg, applied", [
+    ({}, True), ({"tuning": {"instability_lr": 0.2}}, True),
+    ({"tuning": {"instability_lr_recovery": 0, "instability_lr_recovery_ratio": None}}, True),
+    ({"tuning": {"instability_lr_recovery_ratio": None}}, True), ({"tuning": {"instability_lr_recovery": 0}}, True),
+    ({"tuning": {"instability_lr": None}}, False), ({"nan_action": "monitor"}, False)])
 def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     """instability_lr: while the loss trend says the run is unstable (the RISE scenario), the wrapped optimizer
     steps with its LR times a factor. The first instability's factor follows the loss: instability_lr at its
@@ -245,7 +245,7 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     for step in range(STEPS):
         _train(model, opt, batches, step, step + 1, rise=True)
         after.append(opt.param_groups[0]["lr"])
-    factor = cfg.get("instability_lr", 0.25) if applied else 1.0
+    factor = opt.config.tuning.instability_lr if applied else 1.0
     first = next(i for i, (_, u) in enumerate(seen) if u)
     end = max(i for i, (_, u) in enumerate(seen) if u) + 1
     assert all(u for _, u in seen[first:end]) and set(after) == {3e-3}  # one instability; the LR never kept
@@ -256,15 +256,15 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     assert {lr for lr, _ in seen[end:]} <= {3e-3}  # in full once it is over
     if applied:
         assert len(set(during)) > 3 and during[-1] == 3e-3  # it followed the loss back to the full LR
-        ratio = cfg.get("instability_lr_recovery_ratio", 20.0) or 0
-        memory = max(cfg.get("instability_lr_recovery", 100), math.ceil(ratio * (end - first)))
+        ratio = opt.config.tuning.instability_lr_recovery_ratio or 0
+        memory = max(opt.config.tuning.instability_lr_recovery, math.ceil(ratio * (end - first)))
         assert opt._policy.backoff.memory == max(0, memory - (len(seen) - 1 - end))
     recorded = [row["lr"] for row in opt.recorder.window() if row["action"] in ("accepted", "clip")]
     assert recorded == [lr for lr, _ in seen][-len(recorded):]
     opt.close()
 
 
-@pytest.mark.parametrize("cfg", [{}, {"instability_lr": 0.2}, {"instability_lr_recovery_ratio": None}])
+@pytest.mark.parametrize("cfg", [{}, {"tuning": {"instability_lr": 0.2}}, {"tuning": {"instability_lr_recovery_ratio": None}}])
 def test_a_relapse_takes_the_fixed_factor_and_the_linear_way_back(cfg):
     """The RECOVER scenario: a second instability while the run remembers the first is a relapse: the wrapped
     optimizer steps with instability_lr x its LR for as long as it lasts (not following the loss), and
@@ -275,14 +275,14 @@ def test_a_relapse_takes_the_fixed_factor_and_the_linear_way_back(cfg):
     _at_update(opt.base_optimizer, lambda o: seen.append((o.param_groups[0]["lr"], opt._policy.unstable,
                                                          opt._policy.backoff.following)))
     _train(model, opt, batches, 0, len(batches), recover=True)
-    factor = cfg.get("instability_lr", 0.25)
+    factor = opt.config.tuning.instability_lr
     starts = [i for i in range(1, len(seen)) if seen[i][1] and not seen[i - 1][1]]
     assert len(starts) == 2 and seen[starts[0]][2] and not seen[starts[1]][2]  # followed, then a relapse
     relapse = [lr for lr, u, _ in seen[starts[1]:] if u]
     assert len(relapse) > 5 and set(relapse) == {3e-3 * factor}
     b = opt._policy.backoff
     back = [lr for lr, u, _ in seen[starts[1] + len(relapse):]]
-    recovery = max(100, math.ceil((cfg.get("instability_lr_recovery_ratio", 20.0) or 0) * b.lasted))
+    recovery = max(100, math.ceil((opt.config.tuning.instability_lr_recovery_ratio or 0) * b.lasted))
     assert b.recovery == recovery and b.start == factor and len(back) > 0
     assert back == pytest.approx([3e-3 * (factor + (1 - factor) * k / recovery) for k in range(1, len(back) + 1)],
                                  rel=1e-12, abs=0)

@@ -25,7 +25,7 @@ It is inspired by HELENE's layer-wise clipping of curvature estimates; it is not
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 

@@ -47,7 +47,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import check_int, native
+from ..checks import check_int, native
 from ..errors import ConfigError, TrackerUnreachable
 from ..events import (
     ActionTaken, BaselineReset, EosWarning, GuardEvent, NonFinite, RunEnd, RunStart, Sharpness, Spike, StepSummary,

@@ -20,7 +20,7 @@ import torch
 
 from .._optional import require
 from ..checkpoint import check_guard_state
-from ..config import GuardConfig
+from ..config import GuardConfig, unknown_settings_message
 from ..errors import ConfigError
 from ..optimizer import GuardedOptimizer
 from ._records import (
@@ -246,7 +246,7 @@ class StabilityGuardCallback(TrainerCallback):
                 raise ConfigError(f"sinks must be objects with an emit(event) method; got {s!r}")
         unknown = sorted(set(guard_kwargs) - set(GuardConfig.field_names()) - {"eos_probe"})
         if unknown:
-            raise ConfigError(f"unknown GuardedOptimizer setting(s) {unknown}; see GuardConfig for the settings")
+            raise ConfigError(unknown_settings_message(unknown))
         # Validate now (construction), not when training starts.
         config = GuardConfig(**{k: v for k, v in guard_kwargs.items() if k in GuardConfig.field_names()})
         self._records_path = None if config.log_dir is None else config.log_dir

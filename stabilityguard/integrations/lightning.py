@@ -15,7 +15,7 @@ import torch
 
 from .._optional import require
 from ..checkpoint import check_guard_state
-from ..config import GuardConfig
+from ..config import GuardConfig, unknown_settings_message
 from ..errors import ConfigError
 from ..optimizer import GuardedOptimizer
 from ._records import (
@@ -100,7 +100,7 @@ class StabilityGuardCallback(_pl.Callback):
             )
         unknown = sorted(set(guard_kwargs) - set(GuardConfig.field_names()) - {"eos_probe"})
         if unknown:
-            raise ConfigError(f"unknown GuardedOptimizer setting(s) {unknown}; see GuardConfig for the settings")
+            raise ConfigError(unknown_settings_message(unknown))
         config = GuardConfig(**{k: v for k, v in guard_kwargs.items() if k in GuardConfig.field_names()})
         self._log_dir = config.log_dir
         self._skip_file = check_skip_setting(skip_refused_batches, config.log_dir)

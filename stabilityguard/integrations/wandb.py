@@ -14,7 +14,7 @@ import time
 from typing import Any, Dict, Optional
 
 from .._optional import require
-from ..config import native
+from ..checks import native
 from ..errors import ConfigError
 from ..events import GuardEvent, NonFinite, RunEnd, RunStart, Spike
 from ._bridge import COUNTERS, MARKERS, TrackerBridge, TrackerUnreachable, check_timeout, finite, report_entry

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .._optional import require
-from ..config import check_int
+from ..checks import check_int
 from ..errors import StabilityGuardError
 from ..events import SCHEMA_VERSION, check_schema_version
 from . import _fast, _fast_windows

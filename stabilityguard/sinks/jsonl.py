@@ -8,7 +8,7 @@ from collections import deque
 from pathlib import Path
 from typing import Deque, Optional, Union
 
-from ..config import check_int
+from ..checks import check_int
 from ..errors import ConfigError
 from ..events import GuardEvent
 from ._json import dumps
