@@ -15,7 +15,7 @@ steps taken below the full LR. A long loss comes from a second alarm within the 
 relapse: the fixed drop and a linear way back).
 
 Usage:
-  python bench/false_alarms.py                          # sigma 0.1 0.2 0.3 0.5, 200 seeds, 60 steps
+  python bench/false_alarms.py                          # sigma 0.1 0.2 0.3 0.5, 200 seeds, 200 steps
   python bench/false_alarms.py --sigmas 0.3 --seeds 50
 """
 
@@ -72,7 +72,7 @@ def main(argv: List[str] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sigmas", nargs="*", type=float, default=[0.1, 0.2, 0.3, 0.5])
     ap.add_argument("--seeds", type=int, default=200)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=200, help="steps per run (a relapse's way back is 100)")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     print(f"torch {torch.__version__}; {args.seeds} seeds x {args.steps} steps per sigma; LR lost in steps' worth")

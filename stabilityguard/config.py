@@ -6,7 +6,7 @@ The detection rules' constants are not settings: they are one field, ``tuning`` 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import KW_ONLY, dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Union
 
@@ -66,9 +66,11 @@ class GuardConfig:
     verbose: bool = True
     """Print the spike panel and periodic summaries to stdout. ``False`` prints nothing."""
 
+    _: KW_ONLY  # the settings after the original design's first seven are given by name only
+
     tuning: Union[DetectionTuning, str, Mapping[str, Any], None] = "default"
     """The constants of the detection rules (:class:`~stabilityguard.tuning.DetectionTuning`): a preset name
-    (``"default"``; ``"seed"``, the original design's decision: spikes refused, nothing scaled back), a
+    (``"default"``; ``"seed"``, ``graded_response=False``: spikes refused, nothing scaled back), a
     ``DetectionTuning``, or a dict of its fields over the defaults, e.g. ``tuning={"instability_lr": None}``.
     Stored as a ``DetectionTuning``. Their defaults are the measured ones; most runs never set it
     (docs/configuration.md)."""
@@ -284,6 +286,30 @@ class GuardConfig:
             else:
                 out[f.name] = value
         return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, strict: bool = True) -> "GuardConfig":
+        """The config :meth:`to_dict` wrote (a ``run_start`` record's ``config``): the tuning constants, each
+        by name, go back into ``tuning``. With ``strict``, a key that is neither a field nor a constant is a
+        ``ConfigError`` naming it; without it, such keys (a record's ``eos_method_resolved``) are left out.
+
+        Example:
+            >>> cfg = GuardConfig(tuning={"instability_lr": None}, log_dir=None)
+            >>> GuardConfig.from_dict(cfg.to_dict()) == cfg
+            True
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config must be a dict of settings (GuardConfig.to_dict()); got {type(data).__name__}")
+        names, constants = set(cls.field_names()), set(DetectionTuning.field_names())
+        unknown = sorted(str(k) for k in data if k not in names and k not in constants)
+        if unknown and strict:
+            raise ConfigError(f"config has no setting {unknown[0]!r} (pass strict=False to leave such keys out); "
+                              f"the settings are the GuardConfig fields and the tuning constants")
+        settings = {k: v for k, v in data.items() if k in names}
+        tuned = {k: v for k, v in data.items() if k in constants}
+        if tuned:
+            settings["tuning"] = {**as_tuning(settings.get("tuning")).to_dict(), **tuned}
+        return cls(**settings)
 
     @classmethod
     def field_names(cls) -> tuple:

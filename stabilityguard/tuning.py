@@ -10,8 +10,9 @@ not settings a run is expected to choose: :class:`~stabilityguard.GuardConfig` h
 Presets (:data:`TUNING_PRESETS`):
 
 * ``"default"``: the measured constants below;
-* ``"seed"``: the original design's decision (``graded_response=False``): a layer over ``spike_threshold``
-  is refused, everything under it taken as it is; no scaling back, no loss-instability response.
+* ``"seed"``: ``graded_response=False``, the original design's decision: a layer over ``spike_threshold``
+  is refused, everything under it taken as it is; no scaling back, no loss-instability response. The
+  level-shift rules stay (``level_shift_steps`` consistent spikes are a new level, as by default).
 
 Example:
     >>> from stabilityguard import GuardConfig, DetectionTuning

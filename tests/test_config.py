@@ -250,3 +250,47 @@ def test_a_config_with_tuning_is_replaced_and_compared_like_any_config():
     assert dataclasses.replace(cfg, tuning="seed").tuning.graded_response is False
     assert GuardConfig(tuning={}, log_dir=None) == GuardConfig(log_dir=None)
     assert hash(GuardConfig(log_dir=None)) == hash(GuardConfig(tuning="default", log_dir=None))
+
+
+def test_a_config_comes_back_from_its_dict_and_from_a_run_start_record(tmp_path):
+    """to_dict writes the constants by name (the records' config); from_dict folds them back into tuning."""
+    for cfg in (GuardConfig(log_dir=None), GuardConfig(tuning="seed", log_dir=None, spike_threshold=20.0),
+                GuardConfig(tuning={"instability_lr": None, "loss_window": 64}, log_dir="x", run_id="r1")):
+        assert GuardConfig.from_dict(cfg.to_dict()) == cfg
+    model = torch.nn.Linear(2, 2)
+    opt = GuardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, log_dir=tmp_path, verbose=False,
+                           tuning={"spike_jump": None})
+    opt.close()
+    pytest.importorskip("pandas")
+    from stabilityguard.reports import load_run
+
+    record = load_run(tmp_path).config
+    again = GuardConfig.from_dict(record)
+    assert again.tuning == opt.config.tuning and again.run_id == opt.run_id
+    assert again == dataclasses_replace(opt.config, run_id=opt.run_id, log_dir=str(tmp_path))
+    # edge-of-stability telemetry adds what it resolved (eos_method_resolved, and "unused" for the power
+    # method's setting under the secant): not a setting; strict=False leaves the extra key out
+    record = dict(record, eos_method_resolved="secant")
+    with pytest.raises(ConfigError, match="config has no setting 'eos_method_resolved'"):
+        GuardConfig.from_dict(record)
+    assert GuardConfig.from_dict(record, strict=False) == again
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+@pytest.mark.parametrize("bad, says", [([("spike_threshold", 5.0)], "config must be a dict of settings"),
+                                       ({"spike_treshold": 5.0}, "config has no setting 'spike_treshold'"),
+                                       ({"instability_lr": 2.0}, "instability_lr must be a finite number")])
+def test_from_dict_names_what_is_wrong(bad, says):
+    with pytest.raises(ConfigError, match=says):
+        GuardConfig.from_dict(bad)
+
+
+def test_only_the_original_designs_first_seven_settings_are_positional():
+    assert GuardConfig(20.0, "rollback", 5, None, 0.1, 3, False).warmup_steps == 3
+    with pytest.raises(TypeError, match="positional"):
+        GuardConfig(20.0, "rollback", 5, None, 0.1, 3, False, "seed")

@@ -1,0 +1,35 @@
+"""bench/false_alarms.py: what a false alarm costs. Behaviour only (the figures are in bench/results)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "false_alarms.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return runpy.run_path(str(BENCH), run_name="bench_false_alarms")
+
+
+def test_a_flat_run_without_noise_never_cuts_the_lr(bench):
+    lr = bench["lr_factors"](0, 0.0, 40)
+    assert len(lr) == 40 and lr == [1.0] * 40
+
+
+def test_an_alarmed_seed_is_measured_from_the_guards_own_flight_recorder(bench):
+    """Seed 3 of sigma 0.5 alarms (measured): the LR the guard gave is below 1 on some steps, never above."""
+    lr = bench["lr_factors"](3, 0.5, 60)
+    assert min(lr) < 1.0 and max(lr) <= 1.0
+    r = bench["measure"](0.5, 4, 60)
+    assert r["seeds"] == 4 and 0 <= r["alarmed"] <= 4
+    assert (r["alarmed"] == 0) == (r["lost_max"] == 0.0) and r["lost_mean"] <= r["lost_max"]
+
+
+def test_the_command_prints_one_row_per_sigma(bench, capsys):
+    bench["main"](["--sigmas", "0.1", "0.5", "--seeds", "2", "--steps", "20"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("| sigma |") and len([x for x in out if x.startswith("| 0.")]) == 2
