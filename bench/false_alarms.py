@@ -74,14 +74,17 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--seeds", type=int, default=200)
     ap.add_argument("--steps", type=int, default=200, help="steps per run (a relapse's way back is 100)")
     args = ap.parse_args(argv)
-    logging.disable(logging.WARNING)
     print(f"torch {torch.__version__}; {args.seeds} seeds x {args.steps} steps per sigma; LR lost in steps' worth")
     print("| sigma | seeds with an alarm | LR lost, mean (max) | steps below the full LR, mean (max) |")
     print("|---:|---:|---:|---:|")
-    for sigma in args.sigmas:
-        r = measure(sigma, args.seeds, args.steps)
-        print(f"| {sigma:g} | {r['alarmed']} of {r['seeds']} | {r['lost_mean']:.2f} ({r['lost_max']:.2f}) | "
-              f"{r['below_mean']:.1f} ({r['below_max']}) |")
+    logging.disable(logging.WARNING)  # the guard's own warnings, for the measurement only
+    try:
+        for sigma in args.sigmas:
+            r = measure(sigma, args.seeds, args.steps)
+            print(f"| {sigma:g} | {r['alarmed']} of {r['seeds']} | {r['lost_mean']:.2f} ({r['lost_max']:.2f}) | "
+                  f"{r['below_mean']:.1f} ({r['below_max']}) |")
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 if __name__ == "__main__":

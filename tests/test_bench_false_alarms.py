@@ -33,3 +33,6 @@ def test_the_command_prints_one_row_per_sigma(bench, capsys):
     bench["main"](["--sigmas", "0.1", "0.5", "--seeds", "2", "--steps", "20"])
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("| sigma |") and len([x for x in out if x.startswith("| 0.")]) == 2
+    import logging
+
+    assert logging.root.manager.disable == logging.NOTSET  # the command leaves logging as it found it
