@@ -6,8 +6,8 @@ accepted step's own loss shows it: see ``LossTrend.confirms``), and reads the fa
 step; :class:`~stabilityguard.actions.Containment` applies it around the wrapped ``step()`` (the LR the
 scheduler set is restored right after, so schedules are never overwritten).
 
-How the factor moves. A *first* instability (none remembered, no way back under way) follows the loss
-trend's evidence (``LossTrend.evidence``: the loss's fast EMA, the level the instability began from,
+How the factor moves. A *first* instability (none remembered, no way back under way, begun after the run's
+first losses) follows the loss trend's evidence (``LossTrend.evidence``: the loss's fast EMA, the level the instability began from,
 the exit margin, the entry rise):
 
 * ``factor`` while the fast EMA is at its peak, then back towards 1 in proportion as it falls:
@@ -19,7 +19,9 @@ the exit margin, the entry rise):
   accepted steps (:attr:`InstabilityBackoff.memory`).
 
 A *relapse*, the old fixed shape (SPAM's LR backoff, :mod:`stabilityguard.features.spam`), for an LR that
-is itself the cause: a new instability while the run remembers one, or during a way back, or, within a
+is itself the cause: an instability begun among the run's first losses (``early``: before the trend knows
+the loss's noise, the early rise or an overshoot; at a run's start no data has changed, so a rise is the
+LR's doing), a new instability while the run remembers one, or during a way back, or, within a
 followed one, a fast loss that has dipped below its peak and climbs by the entry rise above its lowest
 point since (below the old peak or past it: an explosion the factor does not stop):
 
@@ -36,7 +38,10 @@ Why two shapes: a fixed way back after every instability protected runs whose LR
 comes back down and the next instability follows if the LR is restored at once), but it kept a run whose
 loss had a legitimate jump (a task switch) at a quarter of its LR for hundreds of steps, worse than plain
 AdamW (``bench/protection.py`` task_switch, docs/protection.md). Following the loss gives the LR back as
-soon as the evidence ends; the memory keeps the fixed shape for an LR that causes instability again.
+soon as the evidence ends; the memory keeps the fixed shape for an LR that causes instability again, and so
+does the run's start (measured on 12 held-out seeds of ``bench/protection.py``: following there gave up
+0.09-0.40 nats on every too-high LR, attention-logit growth and no-warm-up,
+``bench/results/protection-follow-vs-fixed.md``).
 
 When the factor begins is :class:`Confirmation`'s to say: at the first accepted step whose own loss shows
 the instability, or, when refused losses may have begun it, the second in a row or one that shows it by
@@ -112,7 +117,7 @@ class InstabilityBackoff:
         self.memory = 0  # accepted steps left in which a new instability is a relapse
 
     def step(self, unstable: bool, level: float = math.nan, ref: float = math.nan,
-             margin: float = 0.0, rise: float = math.inf) -> Optional[float]:
+             margin: float = 0.0, rise: float = math.inf, early: bool = False) -> Optional[float]:
         """Advance by one accepted step; returns its LR factor (``None``: 1, the LR as it is).
 
         Args:
@@ -120,9 +125,11 @@ class InstabilityBackoff:
             level, ref, margin, rise: The trend's evidence (``LossTrend.evidence``): the loss's fast EMA,
                 the level the instability began from, the margin over it under which it ends, the rise
                 that begins one. Used with ``follow`` only.
+            early: This step's loss came among the run's first losses, before the trend knew their noise:
+                an instability that begins now takes the fixed shape (:attr:`follow` or not).
         """
         if unstable and not self.unstable:  # an instability begins
-            if self.follow and self.memory == 0 and self.start >= 1.0:  # a first one: follow the loss
+            if self.follow and self.memory == 0 and self.start >= 1.0 and not early:  # a first one: follow
                 self.following, self.peak, self.trough, self.lasted = True, level, level, 0
             else:
                 self._drop()

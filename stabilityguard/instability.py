@@ -18,12 +18,14 @@ puts together what says the run is in one and what it does to the LR:
   are not new levels (:mod:`stabilityguard.levels`).
 * **the LR factor** of each accepted step (:attr:`GuardPolicy.lr_factor
   <stabilityguard.policy.GuardPolicy.lr_factor>`, :class:`~stabilityguard.backoff.InstabilityBackoff`;
-  the adapter applies it around the wrapped step). A first instability's factor follows the loss trend's
+  the adapter applies it around the wrapped step). A first instability's factor, begun after the run's first
+  losses (once the trend knows their noise), follows the loss trend's
   evidence (``LossTrend.evidence``): ``instability_lr`` at the loss's peak, the LR in full again once the
   loss has fallen by the rise that began it; an instability while the run remembers an earlier one
   (``instability_lr_recovery`` steps, or ``instability_lr_recovery_ratio`` times its length, if longer),
   or a loss that rises again within one, is a relapse: the fixed factor, then a linear way back over the
-  same length.
+  same length. So is one begun among the run's first losses (the early rise, an overshoot): at a run's
+  start nothing but the LR changes.
 * **when the factor begins**: the LR drops only once an accepted step's own loss is ``instability_z``
   noise units above the level the instability began from (or, in the first 20 losses, a rise by the
   early rule's measure: ``LossTrend.confirms``): a run of refused bad batches begins an instability with
@@ -92,6 +94,7 @@ class LossInstability:
         (``None``: 1, or a refused step)."""
         trend = self.trend
         was = trend.unstable
+        early = trend.count < trend.min_count  # this loss among the run's first (before the noise is known)
         added = loss is not None and math.isfinite(loss)
         if added:
             trend.add(loss, accepted=accepted)
@@ -115,7 +118,7 @@ class LossInstability:
             shows = loss is not None and trend.confirms(loss)
             unstable = self.confirm.confirmed(
                 shows, shows and self.confirm.doubt and trend.confirms(loss, self.confirm.CLEAR_BAR))
-        return self.backoff.step(unstable, *trend.evidence())
+        return self.backoff.step(unstable, *trend.evidence(), early=early)
 
     def _overshoot_layers(self, key: Optional[Tuple[int, ...]], values: Sequence[float]) -> List[str]:
         """What the global norm the overshoot rule compares is made of (its first 20 steps only): the

@@ -108,8 +108,9 @@ class DetectionTuning:
     (in (0, 1]; ``None``: off). A first instability's factor follows the loss: this factor while the loss's
     fast EMA is at its peak, back towards 1 in proportion as the loss falls, the LR in full once the loss
     has fallen by the rise that began the instability or is back where it began. An instability while the
-    run remembers an earlier one (``instability_lr_recovery``), or a loss that rises again within one, is
-    a relapse: this factor (times the factor still in force during a way back, never below 0.1 or this
+    run remembers an earlier one (``instability_lr_recovery``), a loss that rises again within one, or one
+    begun among the run's first 20 losses (the early rise, an overshoot: at a run's start only the LR
+    changes) is a relapse: this factor (times the factor still in force during a way back, never below 0.1 or this
     factor) for as long as it lasts, then a linear way back. The LR drops once an accepted step's own loss
     is ``instability_z`` noise units above where the instability began, or, in the first 20 losses, a
     rise by ``instability_rise``'s measure (the losses of a run of refused bad batches begin one too:

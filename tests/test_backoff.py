@@ -393,6 +393,21 @@ def test_a_first_instability_takes_the_factor_at_its_peak_and_gives_it_back_as_t
     assert got == [0.25, 0.25, pytest.approx(0.25 + 0.75 * 0.4), pytest.approx(0.25 + 0.75 * 0.6), None, None]
 
 
+def test_an_instability_among_the_runs_first_losses_takes_the_fixed_shape():
+    """Begun before the trend knew the loss's noise (``early``: the early rise, an overshoot), at the start of
+    a run, where no data has changed: an LR too high. The factor is held while it lasts and comes back over
+    the fixed way back, however the loss falls; the same instability later in the run follows the loss."""
+    steps = [(True, 3.0), (True, 2.8), (True, 2.5), (False, 2.05), (False, 2.0)]
+    early = _f(recovery_steps=4)
+    got = [early.step(u, level, 2.0, 0.1, 0.5, early=True) for u, level in steps]
+    assert got[:3] == [0.25, 0.25, 0.25] and not early.following
+    assert got[3:] == [0.25 + 0.75 / 4, 0.25 + 0.75 * 2 / 4] and early.memory == 0
+    assert _follow(_f(recovery_steps=4), steps)[:3] == [0.25, pytest.approx(0.25 + 0.75 * 0.4), None]
+    late = _f(recovery_steps=4)  # the flag counts only where an instability begins
+    assert late.step(True, 3.0, 2.0, 0.1, 0.5) == 0.25 and late.following
+    assert late.step(True, 2.5, 2.0, 0.1, 0.5, early=True) is None and late.following
+
+
 def test_the_factor_of_a_followed_instability_ends_with_it():
     """The loss back at its level: the LR in full at the next step, not a way back of hundreds."""
     b = _f(recovery_steps=100)

@@ -24,9 +24,11 @@ def test_features_example_runs_every_implemented_feature(capsys):
     checks = [e for e in eos["events"] if e["kind"] == "sharpness"]
     assert {e["method"] for e in checks} == {"power", "secant"}
     # 38 / lr, the LR of the step checked (the guard's factor on it: tests/test_eos.py). The overshoot rule cuts
-    # the LR at step 2 (this demo's AdamW starts at 3e-3 with no warm-up: the norm 1.6x its first two while the
-    # loss is 3% down); the loss falls at the next step, so the LR is in full again there, and on every check
-    assert all(e["threshold"] == pytest.approx(38.0 / e["lr"]) and e["lr"] == pytest.approx(3e-3) for e in checks)
+    # the LR to a quarter at step 2 (this demo's AdamW starts at 3e-3 with no warm-up: the norm 1.6x its first two
+    # while the loss is 3% down); an instability among the run's first losses takes the fixed shape, back over
+    # 100 steps, so the early checks see the cut LR and the later ones the full LR
+    assert all(e["threshold"] == pytest.approx(38.0 / e["lr"]) and 0 < e["lr"] <= 3e-3 for e in checks)
+    assert any(e["lr"] < 3e-3 for e in checks) and any(e["lr"] == pytest.approx(3e-3) for e in checks)
     printed = capsys.readouterr().out
     assert "tensors reset, LR x0.5" in printed and "calibrated at step 109" in printed and "clipped" in printed
     assert "power: " in printed and "sharpness/threshold median" in printed

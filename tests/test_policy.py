@@ -205,6 +205,30 @@ def test_one_bad_batch_or_noise_never_begins_an_instability():
         assert not t.unstable
 
 
+@pytest.mark.parametrize("start", [0, 40])
+def test_a_climb_at_the_runs_start_takes_the_fixed_shape_and_one_later_follows_the_loss(start):
+    """The same climb and fall of the loss, from the run's first step (the early rule begins it: an LR too high
+    from the start, nothing else changes there) or after 40 calm steps (a noise-rule instability: maybe a
+    legitimate change, such as a task switch): held at the factor, or given back as the loss falls."""
+    pol = make(warmup_steps=5)
+    rng = random.Random(3)
+    for _ in range(start):
+        feed(pol, [1.0 + 0.05 * rng.random(), 1.0 + 0.05 * rng.random()], 2.3 + 0.01 * rng.random())
+    climb = [2.3, 2.3, 2.9, 4.0, 5.5, 7.3, 10.0, 13.6, 20.0, 35.0, 30.0, 20.0, 12.0, 8.0, 5.0]
+    factors = []
+    for x in climb:
+        feed(pol, [1.0, 1.0], x)
+        factors.append(pol.lr_factor)
+    taken = [f for f in factors if f is not None]
+    assert taken, factors
+    held = pol.backoff.start < 1.0 and not pol.backoff.following
+    assert held is (start == 0)
+    if start == 0:  # the factor stays at instability_lr while the loss falls from its peak
+        assert all(f == 0.25 for f in factors[factors.index(0.25):])
+    else:  # given back as the loss falls: the LR in full by the end, the instability still under way
+        assert factors[-4:] == [None] * 4 and pol.backoff.following and pol.unstable
+
+
 def test_a_loss_that_climbs_above_where_the_run_started_is_an_instability_before_the_noise_is_known():
     """instability_rise: an LR too high from the first steps (bench/protection.py's CNN with high_lr: 2.4 ->
     7 -> 35 in ten steps) is an instability before the trend's 20 losses; without it, nothing until then."""

@@ -56,11 +56,12 @@ EARLY = range(4, CUT + 4)
 #: Steps where one layer's gradient is x30 with an ordinary loss: refused at the last step before the
 #: checkpoint, accepted as a new level at the first one after it (calm_shift_steps=2; config "calm_shift").
 SHIFT = range(CUT - 1, CUT + 4)
-#: Steps whose loss is x3 (config "recovery"): a first instability, whose factor follows the loss and which ends
+#: Steps whose loss is x3 (config "recovery"): a first instability, after the run's first 20 losses (one among
+#: them takes the fixed shape), whose factor follows the loss and which ends
 #: before the checkpoint, so the run remembers it there (``InstabilityBackoff.memory``), and a second one after
 #: it (x4: the first left a wide noise unit, and a refused step just before it asks for two confirming losses
 #: in a row), a relapse within that memory: the fixed drop and way back.
-RECOVER = {**{s: 3.0 for s in range(14, 24)}, **{s: 4.0 for s in range(42, 56)}}
+RECOVER = {**{s: 3.0 for s in range(21, 24)}, **{s: 4.0 for s in range(42, 56)}}
 #: Steps where one layer has no gradient (config "layer_set"): the global baseline describes the other
 #: layers at the checkpoint (``GuardPolicy.global_layers``) and all of them again after it.
 ABSENT = range(CUT - 4, CUT + 3)
