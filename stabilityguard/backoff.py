@@ -21,7 +21,11 @@ the exit margin, the entry rise):
 A *relapse*, the old fixed shape (SPAM's LR backoff, :mod:`stabilityguard.features.spam`), for an LR that
 is itself the cause: an instability begun among the run's first losses (``early``: before the trend knows
 the loss's noise, the early rise or an overshoot; at a run's start no data has changed, so a rise is the
-LR's doing), a new instability while the run remembers one, or during a way back, or, within a
+LR's doing), one begun while the scheduled LR has just risen (``lr_raised``,
+:class:`~stabilityguard.lr_rise.LRRise`; this shape, :attr:`InstabilityBackoff.lr_caused`, ends when the
+LR is back where it rose from, ``lr_back``: the instability, if it lasts, follows the loss from there, and
+a way back under way is over and remembered), a new instability while the run remembers one, or during a
+way back, or, within a
 followed one, a fast loss that has dipped below its peak and climbs by the entry rise above its lowest
 point since (below the old peak or past it: an explosion the factor does not stop):
 
@@ -115,9 +119,11 @@ class InstabilityBackoff:
         self.trough = math.nan  # the lowest fast loss since that peak
         self.followed = 1.0  # the factor it gave the last step
         self.memory = 0  # accepted steps left in which a new instability is a relapse
+        self.lr_caused = False  # the fixed shape in force answers an instability a rise of the LR began
 
     def step(self, unstable: bool, level: float = math.nan, ref: float = math.nan,
-             margin: float = 0.0, rise: float = math.inf, early: bool = False) -> Optional[float]:
+             margin: float = 0.0, rise: float = math.inf, early: bool = False, lr_raised: bool = False,
+             lr_back: bool = False) -> Optional[float]:
         """Advance by one accepted step; returns its LR factor (``None``: 1, the LR as it is).
 
         Args:
@@ -127,12 +133,20 @@ class InstabilityBackoff:
                 that begins one. Used with ``follow`` only.
             early: This step's loss came among the run's first losses, before the trend knew their noise:
                 an instability that begins now takes the fixed shape (:attr:`follow` or not).
+            lr_raised: The scheduled LR has just risen (:class:`~stabilityguard.lr_rise.LRRise`): an
+                instability that begins now takes the fixed shape, until ``lr_back`` (with :attr:`follow`).
+            lr_back: The LR is back where it rose from: the fixed shape of an instability begun while it
+                was raised ends (its cause has): the instability, if it still lasts, follows the loss from
+                here, and a way back under way is over (the run remembers it, :attr:`memory`).
         """
         if unstable and not self.unstable:  # an instability begins
-            if self.follow and self.memory == 0 and self.start >= 1.0 and not early:  # a first one: follow
-                self.following, self.peak, self.trough, self.lasted = True, level, level, 0
+            if self.follow and self.memory == 0 and self.start >= 1.0 and not (early or lr_raised):
+                self.following, self.peak, self.trough, self.lasted = True, level, level, 0  # a first one
             else:
                 self._drop()
+                self.lr_caused = self.follow and lr_raised
+        elif self.lr_caused and lr_back:  # the LR that began it is back down: the fixed shape ends
+            self._cause_ended(unstable, level)
         if unstable and self.following:
             self.lasted += 1
             # down and up again (to below or above the old peak): the factor did not settle it, a relapse
@@ -159,16 +173,29 @@ class InstabilityBackoff:
                 self.since += 1
                 if self.since >= self.recovery:
                     self.start, self.since, self.lasted, self.carry = 1.0, 0, 0, 0
+        if self.start >= 1.0 and not self.following:
+            self.lr_caused = False
         self.unstable = bool(unstable)
         f = self.in_force
         return f if f < 1.0 else None
+
+    def _cause_ended(self, unstable: bool, level: float) -> None:
+        """The LR whose rise began the instability in force is back: an instability still under way
+        follows the loss from where it stands (a first one's shape); a way back is over, remembered."""
+        if unstable:
+            self.following, self.peak, self.trough, self.lasted = True, level, level, 0
+        else:
+            self.memory = max(self.memory, self.recovery)
+        self.start, self.since, self.carry, self.lr_caused = 1.0, 0, 0, False
+        if not unstable:
+            self.lasted = 0
 
     def _drop(self) -> None:
         """A fixed drop, from where the factor stands, and a fixed way back after it."""
         left = self.recovery - self.since if self.start < 1.0 else 0  # of a way back it interrupts
         self.start = max(min(self.FLOOR, self.factor), self.in_force * self.factor)
         self.since, self.lasted, self.carry = 0, 0, left
-        self.following, self.peak, self.trough = False, math.nan, math.nan
+        self.following, self.peak, self.trough, self.lr_caused = False, math.nan, math.nan, False
 
     def _followed(self, level: float, ref: float, margin: float, rise: float) -> float:
         """``factor`` at the peak, back in proportion as the loss falls: in full once it has fallen by
@@ -202,6 +229,8 @@ class InstabilityBackoff:
     def state_dict(self) -> Dict[str, Any]:
         state = {"start": self.start, "since": self.since, "unstable": self.unstable, "lasted": self.lasted,
                  "carry": self.carry, "memory": self.memory}
+        if self.lr_caused:  # (absent: a state from before it, or no LR-caused shape in force)
+            state["lr_caused"] = True
         if self.following:  # (JSON has no NaN: a followed instability always has a finite peak or none)
             state["following"] = {"peak": _finite(self.peak), "trough": _finite(self.trough),
                                   "factor": self.followed}
@@ -232,6 +261,9 @@ class InstabilityBackoff:
         memory = state.get("memory", 0)  # 0 in a state from before it: nothing remembered
         if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
             raise ValueError(f"backoff memory must be an integer >= 0; got {memory!r}")
+        lr_caused = state.get("lr_caused", False)
+        if not isinstance(lr_caused, bool):
+            raise ValueError(f"backoff lr_caused must be True or False; got {lr_caused!r}")
         following = state.get("following")
         if following is not None:
             if not isinstance(following, dict) or not unstable:
@@ -248,6 +280,7 @@ class InstabilityBackoff:
         self.lasted, self.carry = min(int(lasted), self.NEVER), min(int(carry), self.NEVER)
         self.memory = min(int(memory), self.NEVER) if self.follow else 0
         self.following, self.peak, self.trough, self.followed = False, math.nan, math.nan, 1.0
+        self.lr_caused = lr_caused and self.follow and following is None and self.start < 1.0
         if following is not None and self.follow:  # (saved with follow, loaded without: a fixed drop next)
             self.following = True
             self.peak = math.nan if peak is None else float(peak)
@@ -255,6 +288,7 @@ class InstabilityBackoff:
             self.followed = float(followed)
         elif self.start >= 1.0 or (not unstable and self.since >= self.recovery):
             self.start, self.since, self.unstable, self.lasted, self.carry = 1.0, 0, False, 0, 0
+            self.lr_caused = False
 
 
 class Confirmation:

@@ -25,7 +25,9 @@ puts together what says the run is in one and what it does to the LR:
   (``instability_lr_recovery`` steps, or ``instability_lr_recovery_ratio`` times its length, if longer),
   or a loss that rises again within one, is a relapse: the fixed factor, then a linear way back over the
   same length. So is one begun among the run's first losses (the early rise, an overshoot): at a run's
-  start nothing but the LR changes.
+  start nothing but the LR changes; and one begun while the scheduled LR is twice its recent level or
+  more (:class:`~stabilityguard.lr_rise.LRRise`: a jump, a pulse), whose fixed shape ends when the LR is
+  back where it rose from (the instability then follows the loss, a way back is over).
 * **when the factor begins**: the LR drops only once an accepted step's own loss is ``instability_z``
   noise units above the level the instability began from (or, in the first 20 losses, a rise by the
   early rule's measure: ``LossTrend.confirms``): a run of refused bad batches begins an instability with
@@ -35,7 +37,7 @@ puts together what says the run is in one and what it does to the LR:
   not confirm (:class:`~stabilityguard.backoff.Confirmation`).
 
 :class:`~stabilityguard.policy.GuardPolicy` owns one when ``instability_clip`` is on; its state is part of
-the policy's (keys ``trend``, ``backoff``, ``confirm``, ``overshoot``).
+the policy's (keys ``trend``, ``backoff``, ``confirm``, ``overshoot``, ``lr_rise``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .backoff import Confirmation, InstabilityBackoff
 from .detector import SpikeDetector
 from .loss_signals import LossTrend
+from .lr_rise import LRRise
 from .overshoot import WarmupOvershoot
 
 
@@ -81,6 +84,8 @@ class LossInstability:
             self.backoff = InstabilityBackoff(instability_lr, recovery_steps=instability_lr_recovery,
                                                recovery_ratio=instability_lr_recovery_ratio, follow=True)
             self.confirm = Confirmation()
+        #: Has the scheduled LR just risen (the cause of an instability that begins then)?
+        self.lr_rise = LRRise(slow=self.trend.slow_a)
 
     @property
     def unstable(self) -> bool:
@@ -88,10 +93,11 @@ class LossInstability:
         return self.trend.unstable
 
     def commit(self, loss: Optional[float], accepted: bool, view: Tuple[Optional[Tuple[int, ...]], float, float],
-               values: Sequence[float]) -> Optional[float]:
+               values: Sequence[float], lr: Optional[float] = None) -> Optional[float]:
         """A step's loss (accepted or refused; ``view``: the global rule's layers and norm for it) enters
-        the trend, the overshoot rule and the confirmation; returns the LR factor of the step if accepted
-        (``None``: 1, or a refused step)."""
+        the trend, the overshoot rule and the confirmation, an accepted step's scheduled LR (``lr``,
+        ``None``: unknown) the LR's reference; returns the LR factor of the step if accepted (``None``: 1,
+        or a refused step)."""
         trend = self.trend
         was = trend.unstable
         early = trend.count < trend.min_count  # this loss among the run's first (before the noise is known)
@@ -118,7 +124,12 @@ class LossInstability:
             shows = loss is not None and trend.confirms(loss)
             unstable = self.confirm.confirmed(
                 shows, shows and self.confirm.doubt and trend.confirms(loss, self.confirm.CLEAR_BAR))
-        return self.backoff.step(unstable, *trend.evidence(), early=early)
+        rise = self.lr_rise
+        raised = rise.observe(lr)
+        factor = self.backoff.step(unstable, *trend.evidence(), early=early, lr_raised=raised,
+                                   lr_back=rise.back(lr))
+        rise.track(self.backoff.lr_caused)
+        return factor
 
     def _overshoot_layers(self, key: Optional[Tuple[int, ...]], values: Sequence[float]) -> List[str]:
         """What the global norm the overshoot rule compares is made of (its first 20 steps only): the
@@ -141,6 +152,7 @@ class LossInstability:
             "backoff": self.backoff.state_dict() if self.backoff is not None else None,
             "confirm": self.confirm.state_dict() if self.confirm is not None else None,
             "overshoot": self.overshoot.state_dict() if self.overshoot is not None else None,
+            "lr_rise": self.lr_rise.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any], started: bool) -> None:
@@ -162,6 +174,11 @@ class LossInstability:
             else:  # a checkpoint from before it (schema 1.6): an instability the backoff has not taken waits
                 # for one confirming loss, as it did then
                 self.confirm.need = int(self.trend.unstable and not self.backoff.unstable)
+        self.lr_rise = LRRise(slow=self.lr_rise.slow)  # a checkpoint from before it: no LR seen yet
+        if state.get("lr_rise") is not None:
+            self.lr_rise.load_state_dict(state["lr_rise"])
+        if self.backoff is not None and self.backoff.lr_caused and self.lr_rise.began is None:
+            self.backoff.lr_caused = False  # (the level it rose from is unknown: the fixed shape stays)
         if self.overshoot is not None:
             self.overshoot = WarmupOvershoot(self.overshoot.ratio, steps=self.overshoot.steps)
             if state.get("overshoot") is not None:

@@ -26,6 +26,7 @@ from .emit import (GuardCounters, RunLog, build_dispatcher, finish_run, new_run_
 from .errors import ConfigError, GradientSpikeError
 from .features import Features
 from .hooks import run_step
+from .lr_rise import scheduled_lr
 from .policy import CLIP, REFUSE, GuardPolicy, Verdict
 from .sinks import Sink
 from .stats import (GradStats, GradStatsCollector, ParamIndex, nonfinite_layers, origin_ranks, register_origin_probe,
@@ -327,7 +328,8 @@ class GuardedOptimizer(GuardCheckpoint, torch.optim.Optimizer):
     def _on_finite(self, step: int, stats: GradStats) -> Optional[GradientSpikeError]:
         pol = self._policy
         verdict = pol.decide(stats.values, stats.present, stats.global_norm, stats.loss)
-        before = pol.commit(verdict, stats.values, stats.present, stats.loss, stats.global_norm)
+        before = pol.commit(verdict, stats.values, stats.present, stats.loss, stats.global_norm,
+                            scheduled_lr(self.param_groups))
         if verdict.decision.level_shift is not None or pol.restored:  # a baseline moved or was put back
             self._log.baseline_resets(step, verdict, before, stats.values, pol.restored)
         if verdict.kind != REFUSE:

@@ -116,7 +116,7 @@ class GuardPolicy:
 
     #: The state_dict's keys, in order (a part that is off gives ``None`` for its keys).
     STATE_KEYS = ("detector", "global_ema", "global_count", "global_layers", "loss", "runs", "outlier_runs",
-                  "outlier_rel", "trend", "backoff", "confirm", "overshoot", "last", "calm_refused", "provisional")
+                  "outlier_rel", "trend", "backoff", "confirm", "overshoot", "lr_rise", "last", "calm_refused", "provisional")
 
     def __init__(
         self,
@@ -330,9 +330,10 @@ class GuardPolicy:
 
     # ------------------------------------------------------------------ committing
     def commit(self, verdict: Verdict, values: Sequence[float], present: Optional[Sequence[bool]],
-               loss: Optional[float], global_norm: Optional[float] = None) -> List[float]:
+               loss: Optional[float], global_norm: Optional[float] = None, lr: Optional[float] = None) -> List[float]:
         """Apply a verdict to the state and set :attr:`lr_factor` for this step (``None`` when refused);
-        returns the baselines as they were before it."""
+        returns the baselines as they were before it. ``lr``: the step's scheduled LR
+        (:func:`~stabilityguard.lr_rise.scheduled_lr`; ``None``: unknown, so never a rise of it)."""
         det, decision = self.detector, verdict.decision
         unstable = self.unstable  # as the loss trend was before this step's loss
         view = self.global_norm.view(values, present, global_norm if global_norm is not None else
@@ -350,7 +351,7 @@ class GuardPolicy:
                 self.loss.add(loss, outlier=verdict.loss_z is not None and verdict.loss_z > self.loss.z_threshold)
         self.lr_factor = None  # the LR factor of the step being taken: the trend as this step's loss left it
         if self.instability is not None:
-            self.lr_factor = self.instability.commit(loss, accepted, view, values)
+            self.lr_factor = self.instability.commit(loss, accepted, view, values, lr)
         return before
 
     # ------------------------------------------------------------------ state

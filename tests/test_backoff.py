@@ -480,14 +480,20 @@ _FOLLOWED = [(False, 2.0), (True, 3.0), (True, 3.2), (True, 2.9), (True, 2.6), (
             [(True, 3.0), (True, 2.8), (False, 2.0), (False, 1.9)]
 
 
-@pytest.mark.parametrize("cut", range(1, len(_FOLLOWED)))
-def test_state_round_trip_with_follow_resumes_bit_for_bit(cut):
-    ref = _follow(_f(recovery_steps=6, recovery_ratio=2.0), _FOLLOWED)
+def _round_trip(feed, steps, cut):
+    """``steps`` fed to one backoff, and to one saved at ``cut`` (through JSON) and resumed in another."""
+    ref = feed(_f(recovery_steps=6, recovery_ratio=2.0), steps)
     first = _f(recovery_steps=6, recovery_ratio=2.0)
-    head = _follow(first, _FOLLOWED[:cut])
+    head = feed(first, steps[:cut])
     resumed = _f(recovery_steps=6, recovery_ratio=2.0)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict(), allow_nan=False)))
-    assert head + _follow(resumed, _FOLLOWED[cut:]) == ref
+    assert resumed.lr_caused == first.lr_caused and resumed.following == first.following
+    assert head + feed(resumed, steps[cut:]) == ref
+
+
+@pytest.mark.parametrize("cut", range(1, len(_FOLLOWED)))
+def test_state_round_trip_with_follow_resumes_bit_for_bit(cut):
+    _round_trip(_follow, _FOLLOWED, cut)
 
 
 def test_a_state_from_before_follow_loads_with_nothing_remembered():
@@ -523,3 +529,79 @@ def test_numpy_numbers_in_a_followed_state_load_as_python_numbers():
 def test_a_bad_followed_state_is_refused_naming_the_field(state, field):
     with pytest.raises(ValueError, match=f"backoff {field} must be .*got"):
         _f().load_state_dict(state)
+
+
+# ---------------------------------------------------------------- an instability the LR's rise began
+def _lr(b, steps, **kw):
+    """Feed (unstable, fast loss, lr_raised, lr_back) per step, the evidence of :func:`_follow`."""
+    return [b.step(u, level, 2.0, 0.1, 0.5, lr_raised=raised, lr_back=back, **kw) for u, level, raised, back in steps]
+
+
+def test_an_instability_begun_as_the_lr_rose_takes_the_fixed_shape_while_the_lr_stays_up():
+    """A jump of the schedule: the loss coming back down does not end the remedy (the LR is still too high);
+    the fixed factor while it lasts, then the fixed way back, as at a run's start."""
+    b = _f(recovery_steps=4)
+    got = _lr(b, [(True, 3.0, True, False), (True, 2.6, True, False), (True, 2.3, False, False),
+                  (False, 2.05, False, False), (False, 2.0, False, False)])
+    assert got[:3] == [0.25, 0.25, 0.25] and b.lr_caused and not b.following
+    assert got[3:] == [0.25 + 0.75 / 4, 0.25 + 0.75 * 2 / 4]
+    assert _lr(b, [(False, 2.0, False, False)] * 2) == [0.25 + 0.75 * 3 / 4, None] and not b.lr_caused
+
+
+def test_the_lr_back_down_during_the_instability_hands_it_to_the_loss():
+    """A pulse: the LR back where it rose from, while the loss is still up: from here the factor follows
+    the loss (the instability's peak is where the loss stands), and ends with it."""
+    b = _f(recovery_steps=100)
+    got = _lr(b, [(True, 3.0, True, False), (True, 3.2, True, False), (True, 3.0, False, True),
+                  (True, 2.75, False, True), (False, 2.05, False, True), (False, 2.0, False, True)])
+    assert got[:3] == [0.25, 0.25, 0.25] and got[3] == pytest.approx(0.25 + 0.75 * 0.5)
+    assert got[4:] == [None, None] and b.memory == 99 and not b.lr_caused  # remembered, one step taken
+
+
+def test_the_lr_back_down_during_the_way_back_ends_it_and_the_run_remembers_it():
+    b = _f(recovery_steps=10)
+    got = _lr(b, [(True, 3.0, True, False), (False, 2.0, False, False), (False, 2.0, False, True),
+                  (False, 2.0, False, True)])
+    assert got == [0.25, 0.25 + 0.75 / 10, None, None] and b.memory == 8 and not b.lr_caused  # 10, two taken
+    assert _lr(b, [(True, 3.0, False, False), (True, 2.5, False, False)]) == [0.25, 0.25]  # a relapse: fixed
+
+
+def test_lr_back_ends_only_a_shape_the_lr_began():
+    """An early instability or a relapse is not the LR's rise: ``lr_back`` leaves its way back as it is."""
+    early = _f(recovery_steps=4)
+    assert _lr(early, [(True, 3.0, False, False), (False, 2.0, False, True), (False, 2.0, False, True)],
+               early=True) == [0.25, 0.25 + 0.75 / 4, 0.25 + 0.75 * 2 / 4]
+    followed = _f(recovery_steps=4)
+    assert _lr(followed, [(True, 3.0, False, True), (True, 2.8, False, True)]) == \
+        [0.25, pytest.approx(0.25 + 0.75 * 0.4)] and followed.following
+
+
+def test_without_follow_a_raised_lr_changes_nothing():
+    flags = [True, True, False, False, True, False, False, False]
+    plain = _run(InstabilityBackoff(0.5, recovery_steps=4), flags)
+    b = InstabilityBackoff(0.5, recovery_steps=4)
+    assert [b.step(u, 3.0, 2.0, 0.1, 0.5, lr_raised=True, lr_back=not u) for u in flags] == plain
+    assert not b.lr_caused
+
+
+_CAUSED = [(False, 2.0, False, False), (True, 3.0, True, False), (True, 3.2, True, False), (True, 2.9, False, False),
+           (False, 2.0, False, False), (False, 2.0, False, False), (False, 2.0, False, True), (False, 2.0, False, True),
+           (True, 3.0, True, False), (True, 3.1, True, False), (True, 2.9, False, True), (True, 2.7, False, True),
+           (False, 2.0, False, True)] + [(False, 2.0, False, False)] * 6
+
+
+@pytest.mark.parametrize("cut", range(1, len(_CAUSED)))
+def test_state_round_trip_with_an_lr_caused_shape_resumes_bit_for_bit(cut):
+    _round_trip(_lr, _CAUSED, cut)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None, np.float64(1.0)])
+def test_a_bad_lr_caused_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="backoff lr_caused must be True or False; got"):
+        _f().load_state_dict({"start": 0.25, "unstable": True, "lr_caused": bad})
+
+
+def test_an_lr_caused_flag_without_a_fixed_shape_in_force_loads_as_none():
+    b = _f()
+    b.load_state_dict({"start": 1.0, "unstable": False, "lr_caused": True})
+    assert not b.lr_caused

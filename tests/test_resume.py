@@ -36,6 +36,7 @@ CONFIGS = {
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
     "recovery": {},  # the default guard remembering a followed instability at the cut, a relapse after it (RECOVER)
+    "lr_pulse": {},  # the default guard through an instability the LR's rise began, under way at the cut (PULSE)
     # the same two with the way back (and the memory) instability_lr_recovery long whatever the instability's
     # length (the default stretches it, instability_lr_recovery_ratio 20: its counts are in the checkpoint)
     "instability_no_ratio": {"tuning": {"instability_lr_recovery_ratio": None}},
@@ -62,6 +63,10 @@ SHIFT = range(CUT - 1, CUT + 4)
 #: it (x4: the first left a wide noise unit, and a refused step just before it asks for two confirming losses
 #: in a row), a relapse within that memory: the fixed drop and way back.
 RECOVER = {**{s: 3.0 for s in range(21, 24)}, **{s: 4.0 for s in range(42, 56)}}
+#: Steps taken at 10x the LR, with a loss x3 that outlasts them (config "lr_pulse"): an instability begun
+#: as the LR rose takes the fixed shape, which the checkpoint holds with the LR it rose from
+#: (``LRRise.began``); the LR back, the instability follows the loss until it ends.
+PULSE, PULSE_LOSS = range(24, 40), range(24, 46)
 #: Steps where one layer has no gradient (config "layer_set"): the global baseline describes the other
 #: layers at the checkpoint (``GuardPolicy.global_layers``) and all of them again after it.
 ABSENT = range(CUT - 4, CUT + 3)
@@ -86,10 +91,15 @@ def _build(cfg):
     return model, opt
 
 
-def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False, early=False, recover=False):
+def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False, early=False, recover=False,
+           pulse=False):
     for step in range(start, stop):
         x, y = batches[step]
+        if pulse:
+            opt.param_groups[0]["lr"] = 3e-2 if step in PULSE else 3e-3
         loss = model.loss(x, y)
+        if pulse and step in PULSE_LOSS:
+            loss = loss * 3.0
         if rise and step in RISE:
             loss = loss * 3.0
         if recover and step in RECOVER:
@@ -122,8 +132,9 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     batches = _batches()
     rise, shift, absent = name in ("instability", "instability_no_ratio"), name == "calm_shift", name == "layer_set"
     early, recover = name == "early_instability", name in ("recovery", "recovery_no_ratio")
+    pulse = name == "lr_pulse"
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, STEPS, rise, shift, absent, early, recover)
+    _train(model, opt, batches, 0, STEPS, rise, shift, absent, early, recover, pulse)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_counters = opt.counters
     ref_policy = opt.state_dict()["stabilityguard"]["policy"]
@@ -135,14 +146,17 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
         assert opt._policy.unstable and opt._policy.trend.count < opt._policy.trend.min_count
         _train(model, opt, batches, 12, CUT, early=True)
     else:
-        _train(model, opt, batches, 0, CUT, rise, shift, absent, recover=recover)
-    assert opt._policy.unstable == (rise or early)  # the instability is under way at the checkpoint
+        _train(model, opt, batches, 0, CUT, rise, shift, absent, recover=recover, pulse=pulse)
+    assert opt._policy.unstable == (rise or early or pulse)  # the instability is under way at the checkpoint
     backoff = opt._policy.backoff  # None without the trend (graded_response=False)
     remembers = backoff is not None and backoff.memory > 0 and not backoff.unstable and backoff.start == 1.0
     assert remembers == recover  # the first instability is over, the LR in full, the run remembers it
     if recover:  # the instability's length decides (20 x its steps: longer than the 100), unless switched off
         stretched = opt.config.tuning.instability_lr_recovery_ratio is not None
         assert (backoff.memory > backoff.recovery_steps) == stretched
+    lr_rise = opt._policy.instability.lr_rise if opt._policy.instability is not None else None
+    # (rose from 3e-3: the reference the step before the instability began had moved a little towards 3e-2)
+    assert (backoff is not None and backoff.lr_caused and 3e-3 <= lr_rise.began < 3e-2 / 2) == pulse
     if rise:  # a first instability: its factor follows the loss at the checkpoint
         assert backoff.lasted > 0 and backoff.following and backoff.in_force < 1.0
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
@@ -159,7 +173,9 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     else:
         opt.load_state_dict(ckpt["opt"])
         model.load_state_dict(ckpt["model"])
-    _train(model, opt, batches, CUT, STEPS, rise, shift, absent, early, recover)
+    _train(model, opt, batches, CUT, STEPS, rise, shift, absent, early, recover, pulse)
+    if pulse:  # the LR came back: the fixed shape ended, and the run remembers the instability
+        assert not opt._policy.backoff.lr_caused and opt._policy.backoff.memory > 0
     if recover:  # the second instability, a relapse, took the fixed drop
         assert opt._policy.backoff.start == 0.25
     for k, v in model.state_dict().items():  # bit for bit (NaN where monitor mode let a NaN step through)
@@ -348,3 +364,43 @@ def test_an_optimizer_without_an_lr_of_its_own_takes_an_instability():
         unstable.append(opt._policy.unstable)
     assert any(unstable) and opt.counters.steps == STEPS and base.param_groups[0]["lr"] is None
     opt.close()
+
+
+@pytest.mark.parametrize("lr_type", ["float", "numpy", "tensor"])
+def test_an_instability_the_lrs_rise_began_holds_the_factor_until_the_lr_is_back(lr_type):
+    """The PULSE scenario (the LR x10 for 16 steps, the loss x3 for 22): the instability begins as the LR
+    rose, so the factor is held at instability_lr while the LR stays up (the loss coming down does not give
+    it back: the LR is still too high); the LR back where it rose from, the factor follows the loss from
+    there and ends with it. The same loss rise without the LR's (a task switch) follows the loss from its
+    start. The scheduled LR as the user set it: a float, numpy's float64 or a CPU tensor."""
+    import numpy as np
+
+    def run(pulse):
+        batches = _batches()
+        model, opt = _build({})
+        seen = []  # (LR at the wrapped step, the LR as set, lr_caused, following)
+        _at_update(opt.base_optimizer, lambda o: seen.append(
+            (float(o.param_groups[0]["lr"]), lr_set, opt._policy.backoff.lr_caused, opt._policy.backoff.following)))
+        for step in range(STEPS):
+            lr_set = 3e-2 if (pulse and step in PULSE) else 3e-3
+            opt.param_groups[0]["lr"] = {"float": lr_set, "numpy": np.float64(lr_set),
+                                         "tensor": torch.tensor(lr_set)}[lr_type]
+            x, y = batches[step]
+            loss = model.loss(x, y) * (3.0 if step in PULSE_LOSS else 1.0)
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+        opt.close()
+        return seen
+
+    caused = run(pulse=True)
+    held = [(lr, lr_set) for lr, lr_set, c, _ in caused if c]
+    assert len(held) > 5 and all(lr_set == 3e-2 for _, lr_set in held)  # only while the LR is up
+    assert all(lr == pytest.approx(0.25 * lr_set, rel=1e-6) for lr, lr_set in held)  # instability_lr throughout
+    # (rel: a float32 tensor LR)
+    back = next(i for i, (_, lr_set, c, _) in enumerate(caused) if lr_set == 3e-3 and i > PULSE.start)
+    assert not caused[back][2] and caused[back][3]  # the LR back: the factor follows the loss from there
+    assert not any(c for _, _, c, _ in caused[back:])
+    switch = run(pulse=False)  # the same loss rise, the LR as it was: followed from its start
+    start = next(i for i, (lr, _, _, f) in enumerate(switch) if f)
+    assert not any(c for _, _, c, _ in switch) and start >= PULSE_LOSS.start

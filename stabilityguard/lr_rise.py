@@ -1,0 +1,117 @@
+"""Has the scheduled LR just risen? The cause a loss instability's LR factor answers to.
+
+An instability the LR itself began (a jump of the schedule, a pulse, a warm-up's ramp) is not ended by the
+loss coming back down: the LR is still too high, and handing it back brings the next rise. It ends when
+the LR is back where it was. :class:`LRRise` keeps the LR's reference level the way
+:class:`~stabilityguard.loss_signals.LossTrend` keeps the loss's: it follows the LR down at once (a decay
+is no rise) and up by ``slow`` (0.02) of the gap per accepted step, so a LR :attr:`LRRise.RISE` times its
+reference or more has risen lately (a jump at once; a linear warm-up for about its first 100 steps;
+never a schedule that decays). :class:`~stabilityguard.backoff.InstabilityBackoff` gives an instability begun while the LR
+is raised the fixed shape; the reference it rose from is kept (:meth:`LRRise.track`), and the shape ends
+when the LR is back at or under it (:meth:`LRRise.back`: a pulse's end; a jump that stays, never).
+
+The LR is the wrapped optimizer's first parameter group's as the scheduler set it for this step (what
+the records show), read before the step; a tensor LR only when it lives on the CPU (reading a device
+tensor would be a host sync), and none at all (``None``: no rise, ever) when it is not a number.
+
+Example:
+    >>> r = LRRise()
+    >>> [r.observe(lr) for lr in (1.0, 1.0, 10.0)]  # a pulse of 10x begins
+    [False, False, True]
+    >>> r.track(True)  # an instability begins with it: its LR rose from 1.0
+    >>> r.observe(10.0), r.back(10.0), r.observe(1.0), r.back(1.0)
+    (True, False, False, True)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, Optional
+
+import torch
+
+
+def scheduled_lr(groups: Any) -> Optional[float]:
+    """The first parameter group's LR as a float, or ``None`` (no group, an LR that is not a real number,
+    or a tensor LR off the CPU: reading it would be a host sync).
+
+    Example:
+        >>> scheduled_lr([{"lr": 0.1}]), scheduled_lr([{"lr": None}]), scheduled_lr([])
+        (0.1, None, None)
+    """
+    try:
+        lr = groups[0].get("lr")
+    except (IndexError, KeyError, TypeError, AttributeError):
+        return None
+    if isinstance(lr, torch.Tensor):
+        if lr.device.type != "cpu" or lr.numel() != 1:
+            return None
+        lr = lr.item()
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        return None
+    lr = float(lr)
+    return lr if math.isfinite(lr) and lr > 0 else None
+
+
+class LRRise:
+    """The scheduled LR's reference level, whether the LR has risen over it, and the level the LR of an
+    instability it began rose from (see the module doc).
+
+    Args:
+        slow: Share of the gap the reference rises by per accepted step (the loss trend's ``slow``).
+    """
+
+    #: An LR this many times its reference has risen (a linear warm-up's ramp is over 2x its reference
+    #: for about its first 1 / slow steps; a cosine or step decay never).
+    RISE = 2.0
+
+    def __init__(self, slow: float = 0.02) -> None:
+        self.slow = float(slow)
+        self.ref: Optional[float] = None  # the reference level (None: no LR seen yet)
+        self.before: Optional[float] = None  # the reference as it was before the last observed LR
+        self.began: Optional[float] = None  # the level an LR-caused instability's LR rose from (None: none)
+
+    def observe(self, lr: Optional[float]) -> bool:
+        """One accepted step's scheduled LR (``None``: unknown, nothing changes): is it :attr:`RISE` times
+        the reference (as before this step) or more? Then updates the reference."""
+        self.before = self.ref
+        if lr is None:
+            return False
+        if self.ref is None:
+            self.ref = self.before = lr
+        raised = lr >= self.RISE * self.ref
+        self.ref = min(lr, self.ref + self.slow * (lr - self.ref))
+        return raised
+
+    def back(self, lr: Optional[float]) -> bool:
+        """Is ``lr`` back at or under the level the LR of the instability being answered rose from
+        (:meth:`track`)? ``False`` when none is tracked or the LR is unknown."""
+        return lr is not None and self.began is not None and lr <= self.began
+
+    def track(self, caused: bool) -> None:
+        """After the step: is the LR factor in force answering an instability the LR began (the shape
+        :meth:`back` ends)? The first step it is, the level it rose from is the reference as it was
+        before that step's LR."""
+        if not caused:
+            self.began = None
+        elif self.began is None:
+            self.began = self.before
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        return {"ref": self.ref, "began": self.began}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
+        if not isinstance(state, dict):
+            raise ValueError(f"lr_rise state must be a dict; got {type(state).__name__}")
+        values = {}
+        for key in ("ref", "began"):
+            v = state.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                                  or not math.isfinite(v) or v <= 0):
+                raise ValueError(f"lr_rise {key} must be a positive finite number or None; got {v!r}")
+            values[key] = None if v is None else float(v)
+        self.ref, self.began = values["ref"], values["began"]
+        self.before = self.ref
