@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import runpy
 from pathlib import Path
 
@@ -36,3 +37,19 @@ def test_the_command_prints_one_row_per_sigma(bench, capsys):
     import logging
 
     assert logging.root.manager.disable == logging.NOTSET  # the command leaves logging as it found it
+
+
+@pytest.mark.parametrize("loss", ["noisy", "coupled"])
+def test_a_loss_that_moves_is_fed_to_the_guard(bench, loss):
+    """--loss: the loss the guard sees varies (noisy: on its own; coupled: with the norm's factor); without
+    norm noise a coupled loss is exactly flat, so the LR is never cut."""
+    lr = bench["lr_factors"](3, 0.5, 30, loss)
+    assert len(lr) == 30 and max(lr) <= 1.0
+    assert bench["lr_factors"](0, 0.0, 30, "coupled") == [1.0] * 30
+    assert bench["LOSSES"][loss](random.Random(0), 2.0) != bench["LOSSES"][loss](random.Random(1), 1.0)
+
+
+def test_an_unknown_loss_is_refused_by_the_command(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench["main"](["--loss", "wavy"])
+    assert "invalid choice: 'wavy'" in capsys.readouterr().err
