@@ -24,8 +24,8 @@ the loss's noise, the early rise or an overshoot; at a run's start no data has c
 LR's doing), one begun while the scheduled LR has just risen (``lr_raised``,
 :class:`~stabilityguard.lr_rise.LRRise`; this shape, :attr:`InstabilityBackoff.lr_caused`, ends when the
 LR is back where it rose from, ``lr_back``: the instability, if it lasts, follows the loss from there, and
-a way back under way is over and remembered), a new instability while the run remembers one, or during a
-way back, or, within a
+a way back under way is over and remembered; a relapse on such a way back, the LR not yet back, keeps the
+cause), a new instability while the run remembers one, or during a way back, or, within a
 followed one, a fast loss that has dipped below its peak and climbs by the entry rise above its lowest
 point since (below the old peak or past it: an explosion the factor does not stop):
 
@@ -139,14 +139,16 @@ class InstabilityBackoff:
                 was raised ends (its cause has): the instability, if it still lasts, follows the loss from
                 here, and a way back under way is over (the run remembers it, :attr:`memory`).
         """
+        ended = False  # the LR-caused shape ended at this step, before it (its memory starts counting after it)
+        if self.lr_caused and lr_back:  # the LR that began it is back down: the fixed shape ends
+            ended = self._cause_ended(unstable and self.unstable, level)
         if unstable and not self.unstable:  # an instability begins
+            caused = self.lr_caused  # on a way back the LR's rise began, the LR still up: still its doing
             if self.follow and self.memory == 0 and self.start >= 1.0 and not (early or lr_raised):
                 self.following, self.peak, self.trough, self.lasted = True, level, level, 0  # a first one
             else:
                 self._drop()
-                self.lr_caused = self.follow and lr_raised
-        elif self.lr_caused and lr_back:  # the LR that began it is back down: the fixed shape ends
-            self._cause_ended(unstable, level)
+                self.lr_caused = self.follow and (lr_raised or caused)
         if unstable and self.following:
             self.lasted += 1
             # down and up again (to below or above the old peak): the factor did not settle it, a relapse
@@ -167,7 +169,7 @@ class InstabilityBackoff:
             self.memory, self.lasted = self.recovery, 0  # (its length is in the memory now)
             self.peak = self.trough = math.nan
         else:
-            if self.memory:
+            if self.memory and not ended:
                 self.memory -= 1
             if self.start < 1.0:  # recovering: this step is one more of the way back
                 self.since += 1
@@ -179,16 +181,17 @@ class InstabilityBackoff:
         f = self.in_force
         return f if f < 1.0 else None
 
-    def _cause_ended(self, unstable: bool, level: float) -> None:
-        """The LR whose rise began the instability in force is back: an instability still under way
-        follows the loss from where it stands (a first one's shape); a way back is over, remembered."""
-        if unstable:
-            self.following, self.peak, self.trough, self.lasted = True, level, level, 0
+    def _cause_ended(self, under_way: bool, level: float) -> bool:
+        """The LR whose rise began the instability in force is back: one still under way (``under_way``)
+        follows the loss from where it stands (a first one's shape; the steps it lasted still count for
+        the memory); a way back is over, and the run remembers it (:attr:`memory`, counted from the next
+        step, as when a followed instability ends). Returns ``True`` (the flag :meth:`step` keeps)."""
+        if under_way:
+            self.following, self.peak, self.trough = True, level, level
         else:
-            self.memory = max(self.memory, self.recovery)
+            self.memory, self.lasted = max(self.memory, self.recovery), 0
         self.start, self.since, self.carry, self.lr_caused = 1.0, 0, 0, False
-        if not unstable:
-            self.lasted = 0
+        return True
 
     def _drop(self) -> None:
         """A fixed drop, from where the factor stands, and a fixed way back after it."""

@@ -4,14 +4,16 @@ An instability the LR itself began (a jump of the schedule, a pulse, a warm-up's
 loss coming back down: the LR is still too high, and handing it back brings the next rise. It ends when
 the LR is back where it was. :class:`LRRise` keeps the LR's reference level the way
 :class:`~stabilityguard.loss_signals.LossTrend` keeps the loss's: it follows the LR down at once (a decay
-is no rise) and up by ``slow`` (0.02) of the gap per accepted step, so a LR :attr:`LRRise.RISE` times its
-reference or more has risen lately (a jump at once; a linear warm-up for about its first 100 steps;
-never a schedule that decays). :class:`~stabilityguard.backoff.InstabilityBackoff` gives an instability begun while the LR
-is raised the fixed shape; the reference it rose from is kept (:meth:`LRRise.track`), and the shape ends
-when the LR is back at or under it (:meth:`LRRise.back`: a pulse's end; a jump that stays, never).
+is no rise) and up by ``slow`` (0.02) of the gap per accepted step, so an LR :attr:`LRRise.RISE` times
+its reference or more has risen lately (a jump at once; a long linear warm-up for its first ~80 steps, a
+short one until ~20 steps after it ends; never a schedule that decays).
+:class:`~stabilityguard.backoff.InstabilityBackoff` gives an instability begun while the LR is raised the
+fixed shape; the reference it rose from is kept (:meth:`LRRise.track`), and the shape ends when the LR is
+back at or under it (:meth:`LRRise.back`: a pulse's end; a jump that stays, never).
 
-The LR is the wrapped optimizer's first parameter group's as the scheduler set it for this step (what
-the records show), read before the step; a tensor LR only when it lives on the CPU (reading a device
+The LR is the wrapped optimizer's first parameter group's as the scheduler set it, read before the step
+(a scheduler stepped from a pre hook of the wrapped optimizer is seen one step late; under
+torch.distributed every rank must have the same schedule: the LR is not all-reduced); a tensor LR only when it lives on the CPU (reading a device
 tensor would be a host sync), and none at all (``None``: no rise, ever) when it is not a number.
 
 Example:
@@ -33,8 +35,8 @@ import torch
 
 
 def scheduled_lr(groups: Any) -> Optional[float]:
-    """The first parameter group's LR as a float, or ``None`` (no group, an LR that is not a real number,
-    or a tensor LR off the CPU: reading it would be a host sync).
+    """The first parameter group's LR as a float, or ``None`` (no group, an LR that is not a real number or
+    is out of a float's range, or a tensor LR off the CPU: reading it would be a host sync).
 
     Example:
         >>> scheduled_lr([{"lr": 0.1}]), scheduled_lr([{"lr": None}]), scheduled_lr([])
@@ -48,10 +50,20 @@ def scheduled_lr(groups: Any) -> Optional[float]:
         if lr.device.type != "cpu" or lr.numel() != 1:
             return None
         lr = lr.item()
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+    elif getattr(lr, "ndim", None) == 0 and callable(getattr(lr, "item", None)):
+        lr = lr.item()  # a 0-d numpy array
+    return _positive(lr)
+
+
+def _positive(v: Any) -> Optional[float]:
+    """``v`` as a positive finite float, or ``None`` (not a real number, a bool, out of range, <= 0)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         return None
-    lr = float(lr)
-    return lr if math.isfinite(lr) and lr > 0 else None
+    try:
+        v = float(v)
+    except (OverflowError, ValueError):  # an int or Fraction too large for a float
+        return None
+    return v if math.isfinite(v) and v > 0 else None
 
 
 class LRRise:
@@ -62,25 +74,30 @@ class LRRise:
         slow: Share of the gap the reference rises by per accepted step (the loss trend's ``slow``).
     """
 
-    #: An LR this many times its reference has risen (a linear warm-up's ramp is over 2x its reference
-    #: for about its first 1 / slow steps; a cosine or step decay never).
+    #: An LR this many times its reference has risen (a long linear warm-up's ramp is over 2x its
+    #: reference for its first ~80 steps, measured; a cosine or step decay never).
     RISE = 2.0
 
     def __init__(self, slow: float = 0.02) -> None:
         self.slow = float(slow)
         self.ref: Optional[float] = None  # the reference level (None: no LR seen yet)
-        self.before: Optional[float] = None  # the reference as it was before the last observed LR
+        self.origin: Optional[float] = None  # the reference before the current rise (None: not risen)
         self.began: Optional[float] = None  # the level an LR-caused instability's LR rose from (None: none)
 
     def observe(self, lr: Optional[float]) -> bool:
         """One accepted step's scheduled LR (``None``: unknown, nothing changes): is it :attr:`RISE` times
-        the reference (as before this step) or more? Then updates the reference."""
-        self.before = self.ref
+        the reference (as before this step) or more? Then updates the reference. The reference before the
+        first step of a rise is its origin, kept while the LR stays raised (an instability confirmed some
+        steps into it rose from there, not from the reference that has crept up since)."""
         if lr is None:
             return False
         if self.ref is None:
-            self.ref = self.before = lr
+            self.ref = lr
         raised = lr >= self.RISE * self.ref
+        if not raised:
+            self.origin = None
+        elif self.origin is None:
+            self.origin = self.ref
         self.ref = min(lr, self.ref + self.slow * (lr - self.ref))
         return raised
 
@@ -91,27 +108,26 @@ class LRRise:
 
     def track(self, caused: bool) -> None:
         """After the step: is the LR factor in force answering an instability the LR began (the shape
-        :meth:`back` ends)? The first step it is, the level it rose from is the reference as it was
-        before that step's LR."""
+        :meth:`back` ends)? The first step it is, the level it rose from is the origin of the rise under
+        way (the reference before it began)."""
         if not caused:
             self.began = None
         elif self.began is None:
-            self.began = self.before
+            self.began = self.origin if self.origin is not None else self.ref
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
-        return {"ref": self.ref, "began": self.began}
+        return {"ref": self.ref, "origin": self.origin, "began": self.began}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
         if not isinstance(state, dict):
             raise ValueError(f"lr_rise state must be a dict; got {type(state).__name__}")
         values = {}
-        for key in ("ref", "began"):
+        for key in ("ref", "origin", "began"):
             v = state.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
-                                  or not math.isfinite(v) or v <= 0):
+            parsed = None if v is None else _positive(v)
+            if v is not None and parsed is None:
                 raise ValueError(f"lr_rise {key} must be a positive finite number or None; got {v!r}")
-            values[key] = None if v is None else float(v)
-        self.ref, self.began = values["ref"], values["began"]
-        self.before = self.ref
+            values[key] = parsed
+        self.ref, self.origin, self.began = values["ref"], values["origin"], values["began"]

@@ -562,12 +562,12 @@ def test_the_lr_back_down_during_the_way_back_ends_it_and_the_run_remembers_it()
     b = _f(recovery_steps=10)
     got = _lr(b, [(True, 3.0, True, False), (False, 2.0, False, False), (False, 2.0, False, True),
                   (False, 2.0, False, True)])
-    assert got == [0.25, 0.25 + 0.75 / 10, None, None] and b.memory == 8 and not b.lr_caused  # 10, two taken
+    assert got == [0.25, 0.25 + 0.75 / 10, None, None] and b.memory == 9 and not b.lr_caused  # 10 from the next step
     assert _lr(b, [(True, 3.0, False, False), (True, 2.5, False, False)]) == [0.25, 0.25]  # a relapse: fixed
 
 
 def test_lr_back_ends_only_a_shape_the_lr_began():
-    """An early instability or a relapse is not the LR's rise: ``lr_back`` leaves its way back as it is."""
+    """An early instability or a followed one is not the LR's rise: ``lr_back`` leaves its shape as it is."""
     early = _f(recovery_steps=4)
     assert _lr(early, [(True, 3.0, False, False), (False, 2.0, False, True), (False, 2.0, False, True)],
                early=True) == [0.25, 0.25 + 0.75 / 4, 0.25 + 0.75 * 2 / 4]
@@ -605,3 +605,31 @@ def test_an_lr_caused_flag_without_a_fixed_shape_in_force_loads_as_none():
     b = _f()
     b.load_state_dict({"start": 1.0, "unstable": False, "lr_caused": True})
     assert not b.lr_caused
+
+
+def test_a_relapse_while_the_lr_is_still_up_keeps_its_cause():
+    """A second instability on the way back of one the LR's rise began, the LR still up (no longer twice
+    its reference): still the LR's doing, so the LR coming back ends the compounded shape too."""
+    b = _f(recovery_steps=10)
+    got = _lr(b, [(True, 3.0, True, False), (False, 2.0, False, False), (True, 3.0, False, False),
+                  (True, 2.8, False, False)])
+    assert got == [0.25, 0.25 + 0.75 / 10, 0.1, 0.1]  # compounded (0.325 x 0.25), at the floor
+    assert b.lr_caused
+    assert _lr(b, [(True, 2.6, False, True)]) == [0.25] and b.following and not b.lr_caused  # follows from here
+
+
+def test_a_relapse_on_the_step_the_lr_comes_back_is_one_after_the_shape_ended():
+    """The LR back and a new instability at the same step: the way back ends first, so the new one drops
+    from the full LR, as it would one step later."""
+    steps = [(True, 3.0, True, False), (False, 2.0, False, False)]
+    same, later = _f(recovery_steps=10), _f(recovery_steps=10)
+    assert _lr(same, steps + [(True, 3.0, False, True)]) == [0.25, 0.325, 0.25] and same.carry == 0
+    assert _lr(later, steps + [(False, 2.0, False, True), (True, 3.0, False, True)]) == [0.25, 0.325, None, 0.25]
+
+
+def test_the_steps_an_lr_caused_instability_lasted_count_for_the_memory_after_it_follows():
+    """Handed to the loss when the LR is back, the instability's length so far still counts: remembered for
+    ratio x all the steps it lasted, as a followed one of that length."""
+    b = _f(recovery_steps=10, recovery_ratio=20.0)
+    _lr(b, [(True, 3.0, True, False)] * 30 + [(True, 3.0, False, True)] * 5 + [(False, 2.0, False, True)])
+    assert b.memory == 20 * 35
