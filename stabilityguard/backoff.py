@@ -7,8 +7,8 @@ step; :class:`~stabilityguard.actions.Containment` applies it around the wrapped
 scheduler set is restored right after, so schedules are never overwritten).
 
 How the factor moves. A *first* instability (none remembered, no way back under way, begun after the run's
-first losses) follows the loss trend's evidence (``LossTrend.evidence``: the loss's fast EMA, the level the instability began from,
-the exit margin, the entry rise):
+first losses) follows the loss trend's evidence (``LossTrend.evidence``: the loss's fast EMA, the level the
+instability began from, the exit margin, the entry rise):
 
 * ``factor`` while the fast EMA is at its peak, then back towards 1 in proportion as it falls:
   ``factor + (1 - factor) * (peak - level) / span``, ``span`` the rise from the reference to the peak,
@@ -184,8 +184,10 @@ class InstabilityBackoff:
     def _cause_ended(self, under_way: bool, level: float) -> bool:
         """The LR whose rise began the instability in force is back: one still under way (``under_way``)
         follows the loss from where it stands (a first one's shape; the steps it lasted still count for
-        the memory); a way back is over, and the run remembers it (:attr:`memory`, counted from the next
-        step, as when a followed instability ends). Returns ``True`` (the flag :meth:`step` keeps)."""
+        the memory; the rest of a way back it interrupted, :attr:`carry`, goes: a followed instability
+        ends with the loss, not after a number of steps); a way back is over, and the run remembers it
+        (:attr:`memory`, counted from the next step, as when a followed instability ends). Returns
+        ``True`` (the flag :meth:`step` keeps)."""
         if under_way:
             self.following, self.peak, self.trough = True, level, level
         else:

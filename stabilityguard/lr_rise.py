@@ -13,8 +13,9 @@ back at or under it (:meth:`LRRise.back`: a pulse's end; a jump that stays, neve
 
 The LR is the wrapped optimizer's first parameter group's as the scheduler set it, read before the step
 (a scheduler stepped from a pre hook of the wrapped optimizer is seen one step late; under
-torch.distributed every rank must have the same schedule: the LR is not all-reduced); a tensor LR only when it lives on the CPU (reading a device
-tensor would be a host sync), and none at all (``None``: no rise, ever) when it is not a number.
+torch.distributed every rank must have the same schedule: the LR is not all-reduced); a tensor LR only
+when it lives on the CPU (reading a device tensor would be a host sync), a numpy value, and none at all
+(``None``: no rise, ever) for anything else (another library's array may live on a device).
 
 Example:
     >>> r = LRRise()
@@ -31,6 +32,7 @@ import math
 import numbers
 from typing import Any, Dict, Optional
 
+import numpy as np
 import torch
 
 
@@ -50,8 +52,12 @@ def scheduled_lr(groups: Any) -> Optional[float]:
         if lr.device.type != "cpu" or lr.numel() != 1:
             return None
         lr = lr.item()
-    elif getattr(lr, "ndim", None) == 0 and callable(getattr(lr, "item", None)):
-        lr = lr.item()  # a 0-d numpy array
+    elif isinstance(lr, np.ndarray):
+        if lr.ndim != 0:
+            return None
+        lr = lr.item()  # a 0-d numpy array (another library's array may live on a device: not read)
+    elif isinstance(lr, np.generic):
+        lr = lr.item()
     return _positive(lr)
 
 
@@ -113,6 +119,8 @@ class LRRise:
         if not caused:
             self.began = None
         elif self.began is None:
+            # observe() sets the origin on every raised step and only a raised step begins an LR-caused
+            # instability, so the origin is there; the reference is a safe fallback, never reached in use
             self.began = self.origin if self.origin is not None else self.ref
 
     # ------------------------------------------------------------------ state

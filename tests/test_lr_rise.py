@@ -149,6 +149,18 @@ def test_a_0d_numpy_array_lr_is_read():
     assert scheduled_lr([{"lr": np.array(0.25)}]) == 0.25 and scheduled_lr([{"lr": np.array([0.25])}]) is None
 
 
+def test_another_librarys_0d_array_is_never_read():
+    # a CuPy or JAX array looks like a 0-d numpy array (ndim, item) but may live on a device: item() would
+    # be a host sync, so only numpy's own types are read
+    class DeviceArray:
+        ndim = 0
+
+        def item(self):
+            raise AssertionError("read a device array")
+
+    assert scheduled_lr([{"lr": DeviceArray()}]) is None
+
+
 @pytest.mark.parametrize("v", [10 ** 400, -0.0])
 def test_a_state_value_out_of_range_is_a_value_error(v):
     with pytest.raises(ValueError, match="lr_rise ref must be a positive finite number or None"):
