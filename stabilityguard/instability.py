@@ -27,7 +27,11 @@ puts together what says the run is in one and what it does to the LR:
   same length. So is one begun among the run's first losses (the early rise, an overshoot): at a run's
   start nothing but the LR changes; and one begun while the scheduled LR is twice its recent level or
   more (:class:`~stabilityguard.lr_rise.LRRise`: a jump, a pulse), whose fixed shape ends when the LR is
-  back where it rose from (the instability then follows the loss, a way back is over).
+  back where it rose from (the instability then follows the loss, a way back is over). One that is a
+  *data shift* takes no factor (:class:`~stabilityguard.loss_jump.LossJump`): begun as the loss jumped to a
+  new level at once, after an ordinary update, the LR as it was (a task switch: cutting the LR only slows
+  the learning of the new data); if the loss then climbs on past the level it jumped to, the updates are
+  driving it, and the factor begins as for any instability.
 * **when the factor begins**: the LR drops only once an accepted step's own loss is ``instability_z``
   noise units above the level the instability began from (or, in the first 20 losses, a rise by the
   early rule's measure: ``LossTrend.confirms``): a run of refused bad batches begins an instability with
@@ -37,7 +41,7 @@ puts together what says the run is in one and what it does to the LR:
   not confirm (:class:`~stabilityguard.backoff.Confirmation`).
 
 :class:`~stabilityguard.policy.GuardPolicy` owns one when ``instability_clip`` is on; its state is part of
-the policy's (keys ``trend``, ``backoff``, ``confirm``, ``overshoot``, ``lr_rise``).
+the policy's (keys ``trend``, ``backoff``, ``confirm``, ``overshoot``, ``lr_rise``, ``loss_jump``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .backoff import Confirmation, InstabilityBackoff
 from .detector import SpikeDetector
 from .loss_signals import LossTrend
+from .loss_jump import LossJump
 from .lr_rise import LRRise
 from .overshoot import WarmupOvershoot
 
@@ -86,6 +91,8 @@ class LossInstability:
             self.confirm = Confirmation()
         #: Has the scheduled LR just risen (the cause of an instability that begins then)?
         self.lr_rise = LRRise(slow=self.trend.slow_a)
+        #: Is the instability in force a data shift (the loss at a new level at once: no LR factor)?
+        self.jump = LossJump(after=self.trend.JUMP_AFTER)
 
     @property
     def unstable(self) -> bool:
@@ -93,11 +100,11 @@ class LossInstability:
         return self.trend.unstable
 
     def commit(self, loss: Optional[float], accepted: bool, view: Tuple[Optional[Tuple[int, ...]], float, float],
-               values: Sequence[float], lr: Optional[float] = None) -> Optional[float]:
+               values: Sequence[float], lr: Optional[float] = None, clipped: bool = False) -> Optional[float]:
         """A step's loss (accepted or refused; ``view``: the global rule's layers and norm for it) enters
         the trend, the overshoot rule and the confirmation, an accepted step's scheduled LR (``lr``,
-        ``None``: unknown) the LR's reference; returns the LR factor of the step if accepted (``None``: 1,
-        or a refused step)."""
+        ``None``: unknown) the LR's reference; ``clipped``: the step's gradient was scaled back. Returns the
+        LR factor of the step if accepted (``None``: 1, or a refused step)."""
         trend = self.trend
         was = trend.unstable
         early = trend.count < trend.min_count  # this loss among the run's first (before the noise is known)
@@ -115,7 +122,10 @@ class LossInstability:
                                  added=added)
             if overshot:  # this accepted step's own norm and loss show it: confirmed now
                 self.confirm.need = 0
+        if not trend.unstable:
+            self.jump.end()
         if not accepted or self.backoff is None:
+            self.jump.record(accepted and not clipped, added)
             return None
         assert self.confirm is not None
         unstable = trend.unstable  # the trend as this step's loss left it
@@ -126,9 +136,13 @@ class LossInstability:
                 shows, shows and self.confirm.doubt and trend.confirms(loss, self.confirm.CLEAR_BAR))
         rise = self.lr_rise
         raised = rise.observe(lr)
+        if self.jump.observe(began=trend.unstable and not was, jumped=added and trend.jumped, raised=raised,
+                             level=trend.fast, margin=trend.evidence()[3]):
+            unstable = False  # the data changed: no LR factor (the global norm is still held)
         factor = self.backoff.step(unstable, *trend.evidence(), early=early, lr_raised=raised,
                                    lr_back=rise.back(lr))
         rise.track(self.backoff.lr_caused)
+        self.jump.record(not clipped and factor is None, added)
         return factor
 
     def _overshoot_layers(self, key: Optional[Tuple[int, ...]], values: Sequence[float]) -> List[str]:
@@ -153,6 +167,7 @@ class LossInstability:
             "confirm": self.confirm.state_dict() if self.confirm is not None else None,
             "overshoot": self.overshoot.state_dict() if self.overshoot is not None else None,
             "lr_rise": self.lr_rise.state_dict(),
+            "loss_jump": self.jump.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any], started: bool) -> None:
@@ -177,6 +192,9 @@ class LossInstability:
         self.lr_rise = LRRise(slow=self.lr_rise.slow)  # a checkpoint from before it: no LR seen yet
         if state.get("lr_rise") is not None:
             self.lr_rise.load_state_dict(state["lr_rise"])
+        self.jump = LossJump(after=self.trend.JUMP_AFTER)  # a checkpoint from before it: no step known yet
+        if state.get("loss_jump") is not None:
+            self.jump.load_state_dict(state["loss_jump"])
         if self.backoff is not None and self.backoff.lr_caused and self.lr_rise.began is None:
             self.backoff.lr_caused = False  # (the level it rose from is unknown: the fixed shape stays)
         if self.overshoot is not None:

@@ -182,6 +182,9 @@ class LossTrend:
         self.calm_noise = 0.0  # the noise before the fast EMA went early_rise above the reference
         self.early: List[float] = []  # the losses as they came, while count < min_count (for the bound)
         self.over = 0  # accepted losses over the bound in a row
+        #: The last loss :meth:`add` took moved the fast EMA to it at once (:attr:`JUMP_AFTER` accepted losses
+        #: in a row over the bound: the loss is at a new level). Not state: it describes one add().
+        self.jumped = False
 
     def _unit(self) -> float:
         """The noise unit, floored (like :class:`LossMonitor`'s scale) so a flat loss stays sane."""
@@ -209,6 +212,7 @@ class LossTrend:
             if self.count and scale != 0:  # three times a positive level; a negative one bounds at 0
                 loss = min(loss, scale + self.EARLY_BOUND * abs(scale))
             self.early = self.early + [raw] if self.count + 1 < self.min_count else []
+        self.jumped = jumped
         dev = abs(loss - self.fast)
         if not jumped:
             self.fast += self.fast_a * (loss - self.fast)

@@ -116,7 +116,8 @@ class GuardPolicy:
 
     #: The state_dict's keys, in order (a part that is off gives ``None`` for its keys).
     STATE_KEYS = ("detector", "global_ema", "global_count", "global_layers", "loss", "runs", "outlier_runs",
-                  "outlier_rel", "trend", "backoff", "confirm", "overshoot", "lr_rise", "last", "calm_refused", "provisional")
+                  "outlier_rel", "trend", "backoff", "confirm", "overshoot", "lr_rise", "loss_jump", "last",
+                  "calm_refused", "provisional")
 
     def __init__(
         self,
@@ -351,7 +352,7 @@ class GuardPolicy:
                 self.loss.add(loss, outlier=verdict.loss_z is not None and verdict.loss_z > self.loss.z_threshold)
         self.lr_factor = None  # the LR factor of the step being taken: the trend as this step's loss left it
         if self.instability is not None:
-            self.lr_factor = self.instability.commit(loss, accepted, view, values, lr)
+            self.lr_factor = self.instability.commit(loss, accepted, view, values, lr, verdict.kind == CLIP)
         return before
 
     # ------------------------------------------------------------------ state

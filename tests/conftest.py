@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from stabilityguard import GuardedOptimizer
+from stabilityguard.loss_jump import LossJump
 from stabilityguard.testing import MarkovData, TinyGPT
 
 VOCAB, SEQ, BATCH = 32, 16, 8
@@ -93,3 +94,13 @@ def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def no_data_shift(monkeypatch):
+    """For tests that model a divergence as a loss that jumps to a plateau (x3 at once, then flat) after
+    ordinary updates. The default takes that as a data shift (no LR factor: tests/test_loss_jump.py and the
+    data-shift tests of tests/test_policy.py; tests/test_resume.py runs the default through a climbing rise
+    and a data shift); these test the factor's own mechanics (memory, relapse, way back) on those inputs, so
+    no instability is a data shift."""
+    monkeypatch.setattr(LossJump, "observe", lambda self, **kw: False)

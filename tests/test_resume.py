@@ -32,6 +32,7 @@ CONFIGS = {
     "helene": {"enable_helene": True, "helene_refresh_steps": 4},
     "clip": {"clip_grad_norm": 0.5},
     "instability": {},  # the default guard through a sustained loss rise that spans the cut (RISE)
+    "data_shift": {},  # the default guard through a loss at a new level at once, under way at the cut (SHIFTED)
     "early_instability": {},  # the default guard through a loss that climbs in the first steps (EARLY)
     "calm_shift": {},  # the default guard through a consistent spike with a calm loss that spans the cut (SHIFT)
     "layer_set": {},  # the default guard with a layer without gradients across the cut (ABSENT)
@@ -48,9 +49,14 @@ CONFIGS = {
 }
 
 
-#: Steps whose loss (and so gradients) is x3: a sustained rise the loss trend calls an instability, under way
-#: at the checkpoint (config "instability" only).
+#: Steps whose loss (and so gradients) is x3, then 10% more each step for 12 steps and 0.5% less each step after:
+#: a loss that climbs and comes down, which the loss trend calls an instability, under way at the checkpoint
+#: (config "instability" only). (A loss that is x3 at once and stays
+#: there after ordinary updates is a data shift, which takes no LR factor: config "data_shift".)
 RISE = range(22, 42)
+#: Steps whose loss is x3 at once and stays there (config "data_shift"): a change of the data, under way at
+#: the checkpoint (``LossJump.level``), which takes no LR factor.
+SHIFTED = range(22, 42)
 #: Steps whose loss is x4: from the run's 5th step, before the trend knows the loss's noise, so instability_rise
 #: begins the instability, under way at the checkpoint (config "early_instability" only).
 EARLY = range(4, CUT + 4)
@@ -61,7 +67,9 @@ SHIFT = range(CUT - 1, CUT + 4)
 #: them takes the fixed shape), whose factor follows the loss and which ends
 #: before the checkpoint, so the run remembers it there (``InstabilityBackoff.memory``), and a second one after
 #: it (x4: the first left a wide noise unit, and a refused step just before it asks for two confirming losses
-#: in a row), a relapse within that memory: the fixed drop and way back.
+#: in a row), a relapse within that memory: the fixed drop and way back. Each is a flat jump, which the
+#: default takes as a data shift: these configs test the factor's memory and relapse with the data-shift
+#: rule off (fixture ``no_data_shift``; config "data_shift" runs the rule itself).
 RECOVER = {**{s: 3.0 for s in range(21, 24)}, **{s: 4.0 for s in range(42, 56)}}
 #: Steps taken at 10x the LR, with a loss x3 that outlasts them (config "lr_pulse"): an instability begun
 #: as the LR rose takes the fixed shape, which the checkpoint holds with the LR it rose from
@@ -70,6 +78,11 @@ PULSE, PULSE_LOSS = range(24, 40), range(24, 46)
 #: Steps where one layer has no gradient (config "layer_set"): the global baseline describes the other
 #: layers at the checkpoint (``GuardPolicy.global_layers``) and all of them again after it.
 ABSENT = range(CUT - 4, CUT + 3)
+
+
+def _rise(k):
+    """The RISE scenario's factor of the loss at its ``k``-th step."""
+    return 3.0 * 1.1 ** min(k, 12) * 0.995 ** max(0, k - 12)
 
 
 def _batches():
@@ -92,7 +105,7 @@ def _build(cfg):
 
 
 def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=False, early=False, recover=False,
-           pulse=False):
+           pulse=False, shifted=False):
     for step in range(start, stop):
         x, y = batches[step]
         if pulse:
@@ -101,6 +114,8 @@ def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=Fal
         if pulse and step in PULSE_LOSS:
             loss = loss * 3.0
         if rise and step in RISE:
+            loss = loss * _rise(step - RISE.start)
+        if shifted and step in SHIFTED:
             loss = loss * 3.0
         if recover and step in RECOVER:
             loss = loss * RECOVER[step]
@@ -127,14 +142,17 @@ OPTIMIZER_FIRST = ["default", "rollback", "helene", "everything"]
 
 @pytest.mark.parametrize("name, order", [(n, "model_first") for n in CONFIGS]
                          + [(n, "optimizer_first") for n in OPTIMIZER_FIRST])
-def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
+def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order, request):
     cfg = CONFIGS[name]
     batches = _batches()
     rise, shift, absent = name in ("instability", "instability_no_ratio"), name == "calm_shift", name == "layer_set"
     early, recover = name == "early_instability", name in ("recovery", "recovery_no_ratio")
-    pulse = name == "lr_pulse"
+    pulse, shifted = name == "lr_pulse", name == "data_shift"
+    cut = CUT
+    if recover:
+        request.getfixturevalue("no_data_shift")
     model, opt = _build(cfg)
-    _train(model, opt, batches, 0, STEPS, rise, shift, absent, early, recover, pulse)
+    _train(model, opt, batches, 0, STEPS, rise, shift, absent, early, recover, pulse, shifted)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     ref_counters = opt.counters
     ref_policy = opt.state_dict()["stabilityguard"]["policy"]
@@ -144,10 +162,10 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     if early:  # instability_rise began it, before the trend's noise rule could
         _train(model, opt, batches, 0, 12, early=True)
         assert opt._policy.unstable and opt._policy.trend.count < opt._policy.trend.min_count
-        _train(model, opt, batches, 12, CUT, early=True)
+        _train(model, opt, batches, 12, cut, early=True)
     else:
-        _train(model, opt, batches, 0, CUT, rise, shift, absent, recover=recover, pulse=pulse)
-    assert opt._policy.unstable == (rise or early or pulse)  # the instability is under way at the checkpoint
+        _train(model, opt, batches, 0, cut, rise, shift, absent, recover=recover, pulse=pulse, shifted=shifted)
+    assert opt._policy.unstable == (rise or early or pulse or shifted)  # the instability is under way at the checkpoint
     backoff = opt._policy.backoff  # None without the trend (graded_response=False)
     remembers = backoff is not None and backoff.memory > 0 and not backoff.unstable and backoff.start == 1.0
     assert remembers == recover  # the first instability is over, the LR in full, the run remembers it
@@ -159,6 +177,10 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     assert (backoff is not None and backoff.lr_caused and lr_rise.began == 3e-3) == pulse
     if rise:  # a first instability: its factor follows the loss at the checkpoint
         assert backoff.lasted > 0 and backoff.following and backoff.in_force < 1.0
+    jump = opt._policy.instability.jump if opt._policy.instability is not None else None
+    assert (jump is not None and jump.level is not None) == shifted  # a data shift at the checkpoint
+    if shifted:  # it takes no LR factor
+        assert not backoff.unstable and backoff.in_force == 1.0
     assert opt._policy.calm_refused == int(shift)  # the calm spike was refused once, just before it
     assert (opt._policy.global_layers is not None) == absent  # the global baseline describes a subset
     buf = io.BytesIO()
@@ -173,7 +195,7 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(name, order):
     else:
         opt.load_state_dict(ckpt["opt"])
         model.load_state_dict(ckpt["model"])
-    _train(model, opt, batches, CUT, STEPS, rise, shift, absent, early, recover, pulse)
+    _train(model, opt, batches, cut, STEPS, rise, shift, absent, early, recover, pulse, shifted)
     if pulse:  # the LR came back: the fixed shape ended, and the run remembers the instability
         assert not opt._policy.backoff.lr_caused and opt._policy.backoff.memory > 0
     if recover:  # the second instability, a relapse, took the fixed drop
@@ -249,9 +271,10 @@ def test_helene_resume_is_bit_for_bit_in_other_dtypes(dtype):
     ({"tuning": {"instability_lr": None}}, False), ({"nan_action": "monitor"}, False)])
 def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     """instability_lr: while the loss trend says the run is unstable (the RISE scenario), the wrapped optimizer
-    steps with its LR times a factor. The first instability's factor follows the loss: instability_lr at its
-    first step (the loss at its peak), never lower, back towards 1 as the loss falls and in full once the
-    instability ends; the run then remembers it for max(instability_lr_recovery, instability_lr_recovery_ratio
+    steps with its LR times a factor. The loss jumped (x3 at once): a data shift for the instability's first
+    steps, at the full LR, until the loss climbs on past the level it jumped to. The first
+    instability's factor then follows the loss: instability_lr at its first step (the loss at its peak),
+    never lower, back towards 1 as the loss falls and in full once the instability ends; the run then remembers it for max(instability_lr_recovery, instability_lr_recovery_ratio
     x the steps it lasted) accepted steps. The scheduler's LR is back after each step (a scheduler never sees
     the factor), and the flight recorder shows the LR the step used. Off with None and in monitor mode."""
     batches = _batches()
@@ -268,19 +291,24 @@ def test_a_loss_instability_takes_its_steps_with_a_smaller_lr(cfg, applied):
     assert all(u for _, u in seen[first:end]) and set(after) == {3e-3}  # one instability; the LR never kept
     assert {lr for lr, _ in seen[:first]} == {3e-3}
     during = [lr for lr, _ in seen[first:end]]
-    assert during[0] == 3e-3 * factor  # the same float product the guard computes
+    # the data shift's steps: the loss climbs 10% a step, and its fast EMA passes the level it jumped to by
+    # three noise units (a rise that would begin an instability) on the fourth
+    cut = next((i for i, lr in enumerate(during) if lr < 3e-3), 0) if applied else 0
+    assert cut <= 4
+    assert during[cut] == 3e-3 * factor  # the same float product the guard computes
     assert all(3e-3 * factor <= lr <= 3e-3 for lr in during)
     assert {lr for lr, _ in seen[end:]} <= {3e-3}  # in full once it is over
     if applied:
         assert len(set(during)) > 3 and during[-1] == 3e-3  # it followed the loss back to the full LR
         ratio = opt.config.tuning.instability_lr_recovery_ratio or 0
-        memory = max(opt.config.tuning.instability_lr_recovery, math.ceil(ratio * (end - first)))
+        memory = max(opt.config.tuning.instability_lr_recovery, math.ceil(ratio * (end - first - cut)))
         assert opt._policy.backoff.memory == max(0, memory - (len(seen) - 1 - end))
     recorded = [row["lr"] for row in opt.recorder.window() if row["action"] in ("accepted", "clip")]
     assert recorded == [lr for lr, _ in seen][-len(recorded):]
     opt.close()
 
 
+@pytest.mark.usefixtures("no_data_shift")
 @pytest.mark.parametrize("cfg", [{}, {"tuning": {"instability_lr": 0.2}}, {"tuning": {"instability_lr_recovery_ratio": None}}])
 def test_a_relapse_takes_the_fixed_factor_and_the_linear_way_back(cfg):
     """The RECOVER scenario: a second instability while the run remembers the first is a relapse: the wrapped
@@ -371,8 +399,8 @@ def test_an_instability_the_lrs_rise_began_holds_the_factor_until_the_lr_is_back
     """The PULSE scenario (the LR x10 for 16 steps, the loss x3 for 22): the instability begins as the LR
     rose, so the factor is held at instability_lr while the LR stays up (the loss coming down does not give
     it back: the LR is still too high); the LR back where it rose from, the factor follows the loss from
-    there and ends with it. The same loss rise without the LR's (a task switch) follows the loss from its
-    start. The scheduled LR as the user set it: a float, numpy's float32 or a CPU tensor."""
+    there and ends with it. The same loss rise (x3 at once and flat) without the LR's is a data shift (a task
+    switch): no factor at all. The scheduled LR as the user set it: a float, numpy's float32 or a CPU tensor."""
     import numpy as np
 
     def run(pulse):
@@ -401,6 +429,6 @@ def test_an_instability_the_lrs_rise_began_holds_the_factor_until_the_lr_is_back
     back = next(i for i, (_, lr_set, c, _) in enumerate(caused) if lr_set == 3e-3 and i > PULSE.start)
     assert not caused[back][2] and caused[back][3]  # the LR back: the factor follows the loss from there
     assert not any(c for _, _, c, _ in caused[back:])
-    switch = run(pulse=False)  # the same loss rise, the LR as it was: followed from its start
-    start = next(i for i, (lr, _, _, f) in enumerate(switch) if f)
-    assert not any(c for _, _, c, _ in switch) and start >= PULSE_LOSS.start
+    switch = run(pulse=False)  # the same loss rise, the LR as it was: a data shift, the LR left as it is
+    assert not any(c or f for _, _, c, f in switch) and all(lr == pytest.approx(3e-3) for lr, _, _, _ in switch)
+    # (approx: a float32 LR)
