@@ -47,8 +47,8 @@ class LossJump:
     """Whether the instability in force is a data shift (see the module doc).
 
     Args:
-        after: Losses over the bound in a row that make a jump (the trend's ``JUMP_AFTER``): the update
-            that many steps back is the one before the jump's first loss.
+        after: Losses over the bound in a row that make a jump (the trend's ``JUMP_AFTER``): the entry
+            that many losses back holds the update(s) before the jump's first loss.
     """
 
     def __init__(self, after: int = LossTrend.JUMP_AFTER) -> None:
