@@ -248,10 +248,14 @@ class GuardPolicy:
 
     def nonfinite(self) -> None:
         """A step with NaN/Inf, refused before any decision: it ends a calm run of spikes (a fault that
-        also produces NaN/Inf is not a new level of the model, see ``calm_shift_steps``), and takes no LR
-        factor."""
+        also produces NaN/Inf is not a new level of the model, see ``calm_shift_steps``), takes no LR
+        factor, and is no ordinary update for the data-shift rule (:class:`~stabilityguard.loss_jump.LossJump`:
+        a jump right after it is no data shift; the loss trend never sees the step, so it joins the entry
+        of the last step with a loss)."""
         self.levels.calm_refused = 0
         self.lr_factor = None
+        if self.instability is not None:
+            self.instability.jump.record(False, loss=False)
 
     def _decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
                 loss: Optional[float]) -> Verdict:

@@ -1483,6 +1483,21 @@ def test_a_jump_after_a_scaled_back_step_or_with_the_lr_raised_is_no_data_shift(
         assert pol.instability.jump.level is None and 0.25 in got, case
 
 
+def test_a_jump_right_after_a_nonfinite_step_is_no_data_shift():
+    """A step with NaN/Inf is refused before any decision (GuardPolicy.nonfinite) and never reaches the
+    loss trend; it is still no ordinary update: a jump whose first loss comes right after it takes the
+    factor (an outside review found it was skipped, so the finite step before it was judged)."""
+    for nan_before in (False, True):
+        pol = make(ema_alpha=0.05)
+        rng = random.Random(4)
+        warm(pol, 80, rng=rng)
+        if nan_before:
+            pol.nonfinite()
+        got = _task_switch(pol, rng, steps=6)
+        shifted = pol.instability.jump.level is not None
+        assert shifted != nan_before and (0.25 in got) == nan_before, nan_before
+
+
 @pytest.mark.parametrize("cut", [1, 3, 4, 10, 30])
 def test_a_data_shift_resumes_bit_for_bit(cut):
     """Resumed (through JSON) before the jump, at it, during the data shift, or after the loss climbed on
