@@ -136,14 +136,19 @@ class LossInstability:
                 shows, shows and self.confirm.doubt and trend.confirms(loss, self.confirm.CLEAR_BAR))
         rise = self.lr_rise
         raised = rise.observe(lr)
+        evidence = trend.evidence()  # (fast EMA, reference, exit margin, entry rise)
         if self.jump.observe(began=trend.unstable and not was, jumped=added and trend.jumped, raised=raised,
-                             level=trend.fast, margin=trend.evidence()[3]):
+                             level=evidence[0], margin=evidence[3]):
             unstable = False  # the data changed: no LR factor (the global norm is still held)
-        factor = self.backoff.step(unstable, *trend.evidence(), early=early, lr_raised=raised,
-                                   lr_back=rise.back(lr))
+        factor = self.backoff.step(unstable, *evidence, early=early, lr_raised=raised, lr_back=rise.back(lr))
         rise.track(self.backoff.lr_caused)
         self.jump.record(not clipped and factor is None, added)
         return factor
+
+    def nonfinite(self) -> None:
+        """A step with NaN/Inf, refused before any decision (the trend never sees it): no ordinary update
+        for the data-shift rule."""
+        self.jump.record(False, loss=False)
 
     def _overshoot_layers(self, key: Optional[Tuple[int, ...]], values: Sequence[float]) -> List[str]:
         """What the global norm the overshoot rule compares is made of (its first 20 steps only): the

@@ -255,7 +255,7 @@ class GuardPolicy:
         self.levels.calm_refused = 0
         self.lr_factor = None
         if self.instability is not None:
-            self.instability.jump.record(False, loss=False)
+            self.instability.nonfinite()
 
     def _decide(self, values: Sequence[float], present: Optional[Sequence[bool]], global_norm: float,
                 loss: Optional[float]) -> Verdict:
