@@ -19,7 +19,11 @@ three steps; on the clean runs of all three workloads at the same steps as witho
 GPT's).
 
 When the early norms already vary a lot from step to step (an MLP on a plateau: 10x), a new high is
-ordinary: the jump must then also exceed the square root of their spread (largest over smallest). The
+ordinary: the jump must then also exceed the square root of their spread (largest over smallest), unless
+the loss is :attr:`WarmupOvershoot.CLIMB` times its start or more: a loss that has tripled in the run's
+first steps is diverging, and its norms spread because they climb with it (an LR 10x too high from the
+first step on ``bench/protection.py``'s CNN: norms 0.55, 8.7, 30, 82 with losses 2.3, 6.4, 12, 45; the
+spread gate asked for 216 at the fourth step and let the run diverge at the full LR until its tenth). The
 loss's start is the mean of the earlier steps' first :attr:`WarmupOvershoot.START` losses (of the first
 two at the third step); positive losses only (the progress is a fraction of the start).
 
@@ -73,6 +77,13 @@ class WarmupOvershoot:
     #: observed steps shows none: the loss answers an overshooting update a step or a few later (Adam's
     #: momentum carries it on), while the norm jumps at once.
     FOLLOW = 3
+    #: A loss this many times its start (or more) is diverging, whatever the norms' spread: a new high of the
+    #: norm then needs only ``ratio``. Three times, like the loss trend's early bound
+    #: (:attr:`~stabilityguard.loss_signals.LossTrend.EARLY_BOUND`): on a loss that moves with a lognormal norm
+    #: (spread 0.5, ``bench/false_alarms.py --loss coupled``) the guard then alarms on 83 of 200 runs, 98
+    #: with twice, 79 without the exception (bench/results/false-alarms.md). Only when every start loss is
+    #: positive (a mixed-sign start has a mean near 0, which any loss "triples").
+    CLIMB = 3.0
 
     def __init__(self, ratio: float, steps: int = 20) -> None:
         ratio = _scalar(ratio)
@@ -109,7 +120,9 @@ class WarmupOvershoot:
         armed, self.armed = self.armed, max(self.armed - 1, 0)
         level = sum(self.start) / len(self.start) if self.start else 0.0
         if self.seen >= self.MIN_SEEN and level > 0:  # progress is a fraction of a positive start
-            jump = global_norm >= self.high * max(self.ratio, math.sqrt(self.high / self.low))
+            climbed = loss >= self.CLIMB * level and min(self.start) > 0  # (each start loss positive)
+            gate = 1.0 if climbed else math.sqrt(self.high / self.low)
+            jump = global_norm >= self.high * max(self.ratio, gate)
             hit = (jump or armed > 0) and loss >= (1.0 - self.PROGRESS) * level
             if hit or jump:  # answered, or a jump whose own loss still shows progress: wait for it
                 self.armed = 0 if hit else self.FOLLOW

@@ -86,20 +86,19 @@ class DetectionTuning:
     ``bench/protection.py`` (docs/protection.md)."""
 
     instability_overshoot: Optional[float] = 1.5
-    """In the first 20 accepted steps with a loss, a global gradient norm this many times every earlier
-    one of them (and, when those vary, over them by more than the square root of their spread, largest
-    over smallest), while the loss is not 5% below the mean of its first losses (up to 3), also begins an
-    instability, confirmed by that step; so does the first of the 3 steps after such a jump whose loss is
-    not 5% below it, when the jump's own loss still was (the loss answers an overshooting update a step
-    or a few later): the optimizer overshot at the start of the run (an LR too high,
-    attention logits growing at a high LR), and the loss alone does not rise enough to say so (> 1;
-    ``None``: off). The norms compared are of the same parameters (a parameter's first gradient, a
-    parameter group added or a parameter unfrozen starts the comparison again). Positive losses only;
-    these are the first steps this guard sees (attached to a trained model, too); a guard checkpoint
-    carries its state (a resume goes on where it stopped), while one from before it, or the wrapped
-    optimizer's own checkpoint with state (a run resumed, not starting), turns it off. AdamW at a
-    constant LR with no warm-up can look the same at its second or third step and fires it
-    (docs/limitations.md). Needs what the hold needs. Measured in ``bench/protection.py``
+    """In the first 20 accepted steps with a loss, a global gradient norm this many times every earlier one of them
+    (and, when those vary, over them by more than the square root of their spread, largest over smallest, unless
+    the loss is three times its start: it is diverging), while the loss is not 5% below the mean of its first
+    losses (up to 3), also begins an instability, confirmed by that step; so does the first of the 3 steps after
+    such a jump whose loss is not 5% below it, when the jump's own loss still was (the loss answers an
+    overshooting update a step or a few later): the optimizer overshot at the start of the run (an LR too high,
+    attention logits growing at a high LR), and the loss alone does not rise enough to say so (> 1; ``None``:
+    off). The norms compared are of the same parameters (a parameter's first gradient, a parameter group added
+    or a parameter unfrozen starts the comparison again). Positive losses only; these are the first steps this
+    guard sees (attached to a trained model, too); a guard checkpoint carries its state (a resume goes on where
+    it stopped), while one from before it, or the wrapped optimizer's own checkpoint with state (a run resumed,
+    not starting), turns it off. AdamW at a constant LR with no warm-up can look the same at its second or third
+    step and fires it (docs/limitations.md). Needs what the hold needs. Measured in ``bench/protection.py``
     (docs/protection.md)."""
 
     instability_lr: Optional[float] = 0.25
