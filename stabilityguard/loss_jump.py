@@ -34,12 +34,10 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections import deque
 from typing import Any, Deque, Dict, Optional
 
-import numpy as np
-
+from .checks import native
 from .loss_signals import LossTrend
 
 
@@ -88,18 +86,25 @@ class LossJump:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
+        """JSON-native: the recent steps' ``ordinary`` flags, oldest first, and the ``level`` jumped to."""
         return {"ordinary": list(self.ordinary), "level": self.level}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
+        """Load :meth:`state_dict` output (numpy or tensor scalars as Python ones); raises ``ValueError``
+        naming the field on a bad value."""
         if not isinstance(state, dict):
             raise ValueError(f"loss_jump state must be a dict; got {type(state).__name__}")
         ordinary = state.get("ordinary", [])
-        if not isinstance(ordinary, (list, tuple)) or not all(isinstance(v, (bool, np.bool_)) for v in ordinary):
+        flags = [native(v) for v in ordinary] if isinstance(ordinary, (list, tuple)) else None
+        if flags is None or not all(type(v) is bool for v in flags):
             raise ValueError(f"loss_jump ordinary must be a list of booleans; got {ordinary!r}")
-        level = state.get("level")
-        if level is not None and (isinstance(level, (bool, np.bool_)) or not isinstance(level, numbers.Real)
-                                  or not math.isfinite(level)):
-            raise ValueError(f"loss_jump level must be a finite number or None; got {level!r}")
-        self.ordinary = deque((bool(v) for v in ordinary), maxlen=self.ordinary.maxlen)
-        self.level = None if level is None else float(level)
+        level = native(state.get("level"))
+        if level is not None:
+            try:  # (an integer too large for a float overflows)
+                level = float(level) if type(level) in (int, float) else math.nan
+            except OverflowError:
+                level = math.nan
+            if not math.isfinite(level):
+                raise ValueError(f"loss_jump level must be a finite number or None; got {state.get('level')!r}")
+        self.ordinary = deque(flags, maxlen=self.ordinary.maxlen)
+        self.level = level

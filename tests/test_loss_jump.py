@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from stabilityguard.instability import LossInstability
 from stabilityguard.loss_jump import LossJump
@@ -85,6 +86,9 @@ def test_numpy_values_in_a_state_load_as_python_ones():
     j.load_state_dict({"ordinary": [np.bool_(True), True, np.bool_(False)], "level": np.float32(2.5)})
     assert list(j.ordinary) == [True, True, False] and type(j.level) is float and j.level == 2.5
     assert all(type(v) is bool for v in j.ordinary)
+    t = LossJump()  # 0-d tensors too (checks.native, like every other state and setting)
+    t.load_state_dict({"ordinary": [torch.tensor(True), False], "level": torch.tensor(2.5)})
+    assert list(t.ordinary) == [True, False] and type(t.level) is float and t.level == 2.5
 
 
 def test_a_longer_saved_history_keeps_its_last_steps():
@@ -97,6 +101,7 @@ def test_a_longer_saved_history_keeps_its_last_steps():
     ([], "state must be a dict"), ({"ordinary": "yes"}, "ordinary must be a list of booleans"),
     ({"ordinary": [1, 0]}, "ordinary must be a list of booleans"), ({"level": "6"}, "level must be a finite"),
     ({"level": float("inf")}, "level must be a finite"), ({"level": True}, "level must be a finite"),
+    ({"level": 10 ** 400}, "level must be a finite"), ({"level": [6.5]}, "level must be a finite"),
 ])
 def test_a_bad_state_is_a_value_error_naming_the_field(state, field):
     with pytest.raises(ValueError, match=f"loss_jump {field}"):
