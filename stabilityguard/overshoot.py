@@ -110,8 +110,10 @@ class WarmupOvershoot:
         made of (the guard passes its parameters with a gradient); ``True`` when it overshoots. A step
         whose norm is not positive and finite, or whose loss is not finite, is left out (it counts neither
         way); one whose names differ from the last step's starts the comparison again (not a jump)."""
+        global_norm, loss = _scalar(global_norm), _scalar(loss)  # a 0-d tensor is stored as a float, not kept
         if self.done or not (global_norm > 0 and math.isfinite(global_norm)) or not math.isfinite(loss):
             return False
+        global_norm, loss = float(global_norm), float(loss)
         key = None if layers is None else tuple(layers)
         if key != self.layers and self.count:
             self.seen, self.high, self.low, self.armed = 0, 0.0, math.inf, 0
