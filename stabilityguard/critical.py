@@ -27,6 +27,7 @@ of the policy's (key ``last``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from .detector import Decision, SpikeDetector
@@ -82,6 +83,21 @@ class CriticalSpikes:
         elif sum(1 for r in rest if r > self.outlier_ratio) < self.coherent_share * len(rest):
             return []
         return [i for i, m in enumerate(mask) if m and tame(self.detector, self.spike_jump, i, decision.ratios[i])]
+
+    def gradual(self, i: int, value: float, jump: float) -> bool:
+        """Did layer ``i`` reach ``value`` under ``jump`` times its norm at the last accepted step (it rose
+        gradually)? ``False`` when that norm is not known (no accepted step yet, or no ``spike_jump``)."""
+        last = self.last
+        return last is not None and last[i] > 0 and value < jump * last[i]
+
+    def gradual_total(self, total: float, jump: float) -> bool:
+        """:meth:`gradual` for the global norm ``total``, against the root of the sum of the squares of
+        the last accepted layer norms."""
+        last = self.last
+        if last is None:
+            return False
+        before = math.sqrt(sum(v * v for v in last))
+        return before > 0 and total < jump * before
 
     def commit(self, values: Sequence[float], present: Optional[Sequence[bool]]) -> None:
         """An accepted step: its layer norms are the last ones (with ``spike_jump`` only)."""

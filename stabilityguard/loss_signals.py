@@ -38,6 +38,13 @@ class LossMonitor:
     #: would cost more than the rest of the decision); between two refreshes the window's centre and
     #: scale are those of the last refresh.
     REFRESH = 8
+    #: A loss with a z-score up to this is quiet (:meth:`quiet`): not above its recent distribution by one
+    #: robust standard deviation.
+    QUIET_Z = 1.0
+    #: Before there is a z-score, a quiet loss is this fraction below the mean of the window's first
+    #: :attr:`START` losses (it made progress: the overshoot rule's measure, ``WarmupOvershoot.PROGRESS``).
+    PROGRESS = 0.05
+    START = 3
 
     def __init__(self, *, window: int, z_threshold: float, min_count: int = 20, shift_after: int = 6) -> None:
         self.window = int(window)
@@ -71,6 +78,27 @@ class LossMonitor:
             return None
         med, scale = self.stats
         return None if scale is None else (loss - med) / scale
+
+    def quiet(self, loss: Optional[float], z: Optional[float]) -> bool:
+        """Does ``loss`` (``z``: its :meth:`zscore`) show no sign of trouble? With a z-score: at most
+        :attr:`QUIET_Z`. Without one (the first ``min_count`` losses, a window with a MAD of 0): at least
+        :attr:`PROGRESS` below the mean of the window's first :attr:`START` losses, that mean positive.
+        ``False`` without a finite loss or before any loss (nothing is known: the gradients decide alone).
+
+        Example:
+            >>> lm = LossMonitor(window=32, z_threshold=6.0, min_count=8)
+            >>> for x in [1.0, 0.9, 0.8]:
+            ...     lm.add(x)
+            >>> lm.quiet(0.7, None), lm.quiet(0.9, None)  # 0.7 made progress from 0.9; 0.9 did not
+            (True, False)
+        """
+        if loss is None or not math.isfinite(loss):
+            return False
+        if z is not None:
+            return z <= self.QUIET_Z
+        first = [v for _, v in zip(range(self.START), self.values)]
+        level = sum(first) / len(first) if first else 0.0
+        return level > 0 and loss < (1.0 - self.PROGRESS) * level
 
     def add(self, loss: Optional[float], outlier: bool = False) -> None:
         """Add an accepted step's loss (winsorised at the outlier bound). ``shift_after`` outliers in a

@@ -24,7 +24,9 @@ The graded response (the seed's severity scale, 1-2 normal, 2-5 moderate, 5-10 s
   ``outlier_ratio``, or the loss is more than ``loss_z_threshold`` robust standard deviations above its
   recent distribution: the step is taken, but the offending layers are scaled back to ``outlier_ratio``
   times their baseline (a loss outlier scales every layer by ``loss_z_threshold / z``). No second pass
-  over the gradients: the factors come from the norms already measured.
+  over the gradients: the factors come from the norms already measured. A rise under ``spike_threshold``
+  times the last accepted norm is scaled back only when the loss shows trouble (an instability, or the
+  loss not :meth:`~stabilityguard.loss_signals.LossMonitor.quiet`); with a quiet loss it is the model's.
 * **normal**: the step is taken unchanged.
 
 What enters the baselines: every accepted step, clipped or not, feeds its measured (pre-clip) norms
@@ -279,6 +281,10 @@ class GuardPolicy:
         if not self.graded:
             return Verdict(ACCEPT, decision, global_ratio=gr, consistent_shift=early, calm_shift=calm)
         lim = self.outlier_ratio
+        # do no harm: a rise under a spike's jump over the last accepted norm is the model's unless the loss
+        # shows trouble (an instability, or this loss not quiet); a sudden one is scaled back whatever the loss
+        quiet = self.loss is not None and not self.unstable and self.loss.quiet(loss, z)
+        crit, jump = self.critical, self.detector.threshold
         factors: Optional[List[float]] = None
         reasons: List[str] = []
         rescale: Dict[int, float] = {}
@@ -290,7 +296,8 @@ class GuardPolicy:
                 decision = mark_shifts(decision, settled)
                 early = list(early) + settled
             shifted = decision.level_shift or ()
-            factors = [lim / r if r > lim and not (shifted and shifted[i]) else 1.0
+            factors = [lim / r if r > lim and not (shifted and shifted[i])
+                       and not (quiet and crit.gradual(i, values[i], jump)) else 1.0
                        for i, r in enumerate(decision.ratios)]
             if min(factors) < 1.0:
                 reasons.append("layer")
@@ -304,7 +311,8 @@ class GuardPolicy:
         unstable = self.unstable
         cap = glob.cap(unstable, young)
         # a layer's new level moves the total too (unless the loss says the run is unstable)
-        if gr > cap and (decision.level_shift is None or unstable):
+        if gr > cap and (decision.level_shift is None or unstable) and \
+                not (quiet and not young and crit.gradual_total(gn, jump)):
             g = cap / gr
             factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
             reasons.append("warmup" if young else "instability" if unstable else "global")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import pytest
 import torch
@@ -33,6 +33,8 @@ class Run:
         self.sched = schedule(self.opt) if schedule else None
         self.accum = accum
         self.losses = []
+        #: Pass the loss to ``step`` (False: the gradients decide alone, as for a caller without one).
+        self.pass_loss = True
 
     def backward(self) -> torch.Tensor:
         total = 0.0
@@ -43,7 +45,9 @@ class Run:
             total = total + loss.detach()
         return total
 
-    def train(self, steps: int, faults: Optional[Dict[int, Callable]] = None, before_step: Optional[Callable] = None):
+    def train(self, steps: int, faults: Optional[Dict[int, Callable]] = None, before_step: Optional[Callable] = None,
+              loud: Sequence[int] = ()):
+        """``loud``: steps whose loss is passed to ``step`` x3 (not quiet: an outlier then is scaled back)."""
         faults = faults or {}
         for _ in range(steps):
             step = self.opt.guard_step
@@ -52,7 +56,7 @@ class Run:
                 faults[step](self.model)
             if before_step is not None:
                 before_step(step)
-            self.opt.step(loss=loss)
+            self.opt.step(loss=(loss * 3.0 if step in loud else loss) if self.pass_loss else None)
             self.opt.zero_grad()
             if self.sched is not None:
                 self.sched.step()

@@ -57,7 +57,7 @@ def test_monitor_mode_takes_a_nan_step(tmp_path):
 
 def test_clipped_step_is_an_action_with_layers_and_factors(tmp_path):
     run = Run(tmp_path, log_every=10)
-    run.train(60, faults={50: lambda m: scale_grad(m.blocks[0].mlp.fc, 6.0)})
+    run.train(60, faults={50: lambda m: scale_grad(m.blocks[0].mlp.fc, 6.0)}, loud=[50])  # (a quiet loss: taken)
     clips = [a for a in _events(run, "action") if a["action"] == "clip" and a["step"] == 50]
     assert len(clips) == 1
     (clip,) = clips

@@ -232,6 +232,19 @@ def test_the_rule_takes_numpy_and_tensor_ratios_and_state_values():
     assert o.observe(3.0, 4.0, ["a"])
 
 
+def test_observed_numpy_and_tensor_values_are_kept_as_floats():
+    """A 0-d tensor or numpy norm and loss (a caller that passes ``loss.detach()``) are judged as the same
+    floats and stored as floats: the state stays JSON-native and no tensor is kept alive."""
+    np = pytest.importorskip("numpy")
+    steps = [(1.5, 4.1), (1.1, 4.0), (3.4, 4.0)]
+    ref = _hits(WarmupOvershoot(ratio=1.5), steps)
+    for wrap in (torch.tensor, np.float32, np.float64):
+        o = WarmupOvershoot(ratio=1.5)
+        assert _hits(o, [(wrap(n), wrap(loss)) for n, loss in steps]) == ref == [False, False, True]
+        assert type(o.high) is float and all(type(v) is float for v in o.start)
+        assert json.loads(json.dumps(o.state_dict())) == o.state_dict()
+
+
 @pytest.mark.parametrize("sigma, budget", [(0.1, 1), (0.2, 8), (0.3, 37), (0.5, 67)])
 def test_false_alarms_on_a_flat_loss_with_noisy_norms(sigma, budget):
     """A loss that makes no progress (a trained model the guard was attached to) with i.i.d. lognormal global

@@ -40,10 +40,12 @@ def test_each_level():
     pol = make()
     warm(pol)
     assert pol.decide([1.2, 1.0], None, 1.56, 1.0).kind == ACCEPT  # normal
-    v = pol.decide([3.5, 1.0], None, 3.64, 1.0)  # moderate: scaled back to outlier_ratio x baseline
+    # moderate, without the loss (the gradients decide alone): scaled back to outlier_ratio x baseline
+    v = pol.decide([3.5, 1.0], None, 3.64, None)
     assert v.kind == CLIP and v.reasons == ("layer",)
     assert v.factors[0] == pytest.approx(3.0 / v.decision.ratios[0]) and v.factors[1] == 1.0
     assert pol.decide([50.0, 1.0], None, 50.0, 1.0).kind == REFUSE  # critical
+    assert pol.decide([3.5, 1.0], None, 3.64, 1.0).kind == ACCEPT  # moderate with a quiet loss: the model's
 
 
 def test_graded_off_is_the_seed_behaviour():
@@ -59,8 +61,9 @@ def test_global_norm_outlier_scales_every_layer():
     warm(pol)
     # both layers at 2.2x: no layer over 2.5, but 2.2 x sqrt(2) on a global baseline of ~sqrt(2)... same
     # ratio; a wider rise of the global norm comes from many layers at once
-    v = pol.decide([2.4, 2.4], None, 2.4 * 1.5 * math.sqrt(2), 1.0)
+    v = pol.decide([2.4, 2.4], None, 2.4 * 1.5 * math.sqrt(2), None)
     assert v.kind == CLIP and v.reasons == ("global",) and v.factors[0] == v.factors[1] < 1.0
+    assert pol.decide([2.4, 2.4], None, 2.4 * 1.5 * math.sqrt(2), 1.0).kind == ACCEPT  # a quiet loss
 
 
 def test_baselines_follow_accepted_norms_but_never_a_refused_spike():
@@ -68,7 +71,7 @@ def test_baselines_follow_accepted_norms_but_never_a_refused_spike():
     warm(pol, 200)
     base = pol.detector.ema[0]
     for i in range(20):  # an instability: layer a at 8x for 20 steps as the loss climbs (taken, scaled back)
-        assert feed(pol, [8.0 * base, 1.0], loss=1.0 + 0.5 * i).kind == CLIP
+        assert feed(pol, [8.0 * base, 1.0], loss=1.5 + 0.5 * i).kind == CLIP
     assert pol.unstable
     grown = pol.detector.ema[0] / base
     assert grown == pytest.approx(1.0 + 7.0 * (1.0 - 0.99 ** 20), rel=1e-6)  # the EMA of the raw norms
@@ -746,40 +749,50 @@ def test_the_instability_state_and_last_norms_round_trip():
     assert pol.state_dict() == other.state_dict()
 
 
-def test_a_consistent_moderate_shift_with_a_calm_loss_is_a_new_level_within_10_steps():
+def test_a_consistent_moderate_shift_is_taken_with_a_quiet_loss_and_a_new_level_within_10_steps_without_one():
     pol = make(ema_alpha=0.01, level_shift_steps=6)
     warm(pol, 200)
     base = pol.detector.ema[0]
     rng = random.Random(6)
     kinds = [feed(pol, [6.0 * base * (1 + 0.1 * rng.random()), 1.0], loss=1.0 + 0.01 * rng.random()).kind
-             for _ in range(12)]  # x6: an outlier, not a spike; the loss does not move
-    assert kinds[:5] == [CLIP] * 5 and all(k == ACCEPT for k in kinds[5:])
-    assert pol.detector.ema[0] > 5.0 * base  # the baseline was reset to the new level
+             for _ in range(12)]  # x6: an outlier, not a spike; the loss does not move (quiet): taken as it is
+    assert kinds == [ACCEPT] * 12  # no run of scaled-back steps: the baseline follows by its EMA alone
+    assert pol.detector.ema[0] < 2.0 * base and not any(pol.outlier_runs)
+    z = pol.loss.zscore(1.5)
+    v = pol.decide([6.0 * base, 1.0], None, 6.0 * base, 1.5)  # the same layer with a loss that is not quiet
+    assert v.kind == CLIP and "layer" in v.reasons and z > 1.0
     state = json.loads(json.dumps(pol.state_dict(), allow_nan=False))
     assert "outlier_runs" in state
+    blind = make(ema_alpha=0.01, level_shift_steps=6)  # without the loss: scaled back until it is a level
+    warm(blind, 200)
+    rng = random.Random(6)
+    kinds = [feed(blind, [6.0 * base * (1 + 0.1 * rng.random()), 1.0]).kind for _ in range(12)]
+    assert kinds[:5] == [CLIP] * 5 and all(k == ACCEPT for k in kinds[5:])
+    assert blind.detector.ema[0] > 5.0 * base
 
 
 def _shift_plan(pol, steps, seed=8, shift=8.0):
     """One layer's gradient x``shift`` its baseline, every layer's norm times a batch factor (0.6x, 1.5x
-    in turn), a calm loss: the shifted layer's ratio varies 2.5x (4.8-12: an outlier on every step under
+    in turn), no loss (the gradients decide alone; with a quiet loss the rise, under a spike's jump, would be
+    taken as it is): the shifted layer's ratio varies 2.5x (4.8-12: an outlier on every step under
     make4's spike threshold of 30, too inconsistent for level_shift_spread), its ratio over the others'
     does not. Returns (norms, loss) per step, from the baselines as they are now."""
     rng, base, plan = random.Random(seed), list(pol.detector.ema[:4]), []
     for k in range(steps):
         f = (0.6, 1.5)[k % 2]
-        plan.append(([shift * base[0] * f] + [b * f * (1 + 0.05 * rng.random()) for b in base[1:]],
-                     1.0 + 0.01 * rng.random()))
+        plan.append(([shift * base[0] * f] + [b * f * (1 + 0.05 * rng.random()) for b in base[1:]], None))
     return plan
 
 
-def _feed_plan(pol, plan):
-    kinds = []
+def _feed_plan(pol, plan, full=False):
+    """Decide and commit each (norms, loss) of ``plan``; each verdict's kind (``full``: kind, factors, reasons)."""
+    out = []
     for vals, loss in plan:
         gn = math.sqrt(sum(x * x for x in vals))
         v = pol.decide(vals, None, gn, loss)
         pol.commit(v, vals, None, loss, gn)
-        kinds.append(v.kind)
-    return kinds
+        out.append((v.kind, v.factors, v.reasons) if full else v.kind)
+    return out
 
 
 def test_a_shift_that_varies_with_the_batch_like_the_rest_is_a_new_level_within_10_steps(monkeypatch):
@@ -831,16 +844,16 @@ def test_the_relative_level_is_the_runs_median_and_every_step_of_the_run_must_be
 
 
 def test_the_whole_network_rising_together_is_not_settled_by_the_relative_rule():
-    """Every layer x4.5 and x10 in turn for 12 steps with a calm loss: the raw rule does not settle it (a
-    spread over 2) and the relative one neither (no layer stands out from the others: ratios ~1)."""
+    """Every layer x4.5 and x10 in turn for 12 steps, no loss (the gradients decide alone): the raw rule
+    does not settle it (a spread over 2) and the relative one neither (no layer stands out: ratios ~1)."""
     pol = make4(level_shift_steps=6, spike_threshold=30.0)
     warm4(pol)
     base = list(pol.detector.ema[:4])
     for k in range(12):
         f = (4.5, 10.0)[k % 2]
         vals = [b * f for b in base]
-        v = pol.decide(vals, None, math.sqrt(sum(x * x for x in vals)), 1.0)
-        pol.commit(v, vals, None, 1.0, math.sqrt(sum(x * x for x in vals)))
+        v = pol.decide(vals, None, math.sqrt(sum(x * x for x in vals)), None)
+        pol.commit(v, vals, None, None, math.sqrt(sum(x * x for x in vals)))
         assert v.decision.level_shift is None and (v.kind == CLIP or k >= 8)  # (the EMA catches up late)
 
 
@@ -1465,9 +1478,10 @@ def test_a_jump_after_a_scaled_back_step_or_with_the_lr_raised_is_no_data_shift(
         rng = random.Random(4)
         warm(pol, 80, rng=rng)
         lr = 1.0
-        if case == "clipped":  # a layer 5x its baseline: scaled back, not an ordinary update
-            v = pol.decide([5.0, 1.0], None, math.sqrt(26.0), 1.0)
-            pol.commit(v, [5.0, 1.0], None, 1.0, math.sqrt(26.0), lr)
+        if case == "clipped":  # a layer 5x its baseline, the loss not quiet: scaled back, not an ordinary update
+            v = pol.decide([5.0, 1.0], None, math.sqrt(26.0), 1.02)
+            pol.commit(v, [5.0, 1.0], None, 1.02, math.sqrt(26.0), lr)
+            assert 1.0 < v.loss_z < 6.0
             assert v.kind == CLIP
         else:  # the scheduled LR known at 1, then x10
             for _ in range(5):
@@ -1531,3 +1545,68 @@ def test_a_checkpoint_without_the_data_shifts_state_starts_it_afresh():
     b = make(ema_alpha=0.05)
     b.load_state_dict(state)
     assert b.instability.jump.level is None and len(b.instability.jump.ordinary) == 0
+
+
+# ----------------------------------------------------------------------------- a quiet loss: outliers taken
+def test_a_quiet_loss_leaves_a_rise_under_a_spikes_jump_as_it_is_and_a_loss_that_shows_trouble_scales_it():
+    """Do no harm: a layer 5x its baseline, 5x its last norm, is the model's while the loss is quiet (z <= 1)
+    and scaled back once the loss is over its distribution; a sudden rise (x10 its last norm, under the
+    spike threshold of its baseline) is scaled back whatever the loss; without a loss, as before."""
+    pol = make(spike_threshold=20.0)
+    warm(pol, 60)
+    quiet_loss = pol.loss.stats[0]  # the window's median: z = 0
+    assert pol.loss.quiet(quiet_loss, pol.loss.zscore(quiet_loss))
+    assert pol.decide([5.0, 1.0], None, math.sqrt(26.0), quiet_loss).kind == ACCEPT
+    loud = quiet_loss + 2.0 * pol.loss.stats[1]  # z = 2: not quiet, under the loss clip's 6
+    v = pol.decide([5.0, 1.0], None, math.sqrt(26.0), loud)
+    assert v.kind == CLIP and "layer" in v.reasons and 1.0 < v.loss_z < 6.0
+    assert pol.decide([5.0, 1.0], None, math.sqrt(26.0), None).kind == CLIP  # no loss: the gradients alone
+    feed(pol, [0.3, 1.0], quiet_loss)  # a low norm accepted: 7.0 is then over 20x the last, under 20x the baseline
+    sudden = pol.decide([7.0, 1.0], None, math.sqrt(50.0), quiet_loss)
+    assert sudden.kind == CLIP and "layer" in sudden.reasons and sudden.decision.ratios[0] < 20.0
+
+
+def test_a_quiet_loss_ends_with_the_instability_and_the_early_losses_need_progress():
+    """During a loss instability every outlier is scaled back, quiet loss or not; in the first losses (no
+    z-score yet) a loss is quiet only 5% below the mean of the first three."""
+    pol = make(ema_alpha=0.05)
+    warm(pol, 60)
+    _grow(pol, random.Random(5), loss=3.0, factor=2.0, steps=10)
+    assert pol.unstable
+    base = pol.detector.ema[0]
+    assert pol.decide([5.0 * base, pol.detector.ema[1]], None, 5.0 * base, pol.loss.stats[0]).kind == CLIP
+    lm = LossMonitor(window=128, z_threshold=6.0)
+    assert not lm.quiet(1.0, None)  # no earlier loss: nothing known
+    for x in (1.0, 1.1, 0.9):
+        lm.add(x)
+    assert lm.zscore(0.9) is None and lm.quiet(0.94, None) and not lm.quiet(0.96, None)
+    assert not lm.quiet(math.nan, None) and not lm.quiet(None, None)
+    neg = LossMonitor(window=128, z_threshold=6.0)
+    for x in (-1.0, -1.1, -0.9):  # a start not positive: never quiet by progress
+        neg.add(x)
+    assert not neg.quiet(-5.0, None)
+
+
+def test_a_run_through_quiet_and_loud_outliers_resumes_bit_for_bit_at_every_cut():
+    """The rule has no state of its own (the loss window, the last norms): a policy resumed from a JSON round
+    trip at any cut decides every later step as the uninterrupted one."""
+    rng = random.Random(11)
+    plan = []
+    for k in range(40):
+        vals = [1.0 + 0.05 * rng.random(), 1.0 + 0.05 * rng.random()]
+        if k % 7 == 3:
+            vals[0] *= 5.0  # an outlier under a spike's jump
+        plan.append((vals, 1.0 + (0.5 if k % 11 == 5 else 0.01 * rng.random())))
+
+    whole = make()
+    warm(whole, 30)
+    ref = _feed_plan(whole, plan, full=True)
+    assert ("accept", None, ()) in [ref[k] for k in range(3, 40, 7)] and any(r[0] == CLIP for r in ref)
+    for cut in (0, 4, 17, 33):
+        a = make()
+        warm(a, 30)
+        head = _feed_plan(a, plan[:cut], full=True)
+        b = make()
+        b.load_state_dict(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
+        assert head + _feed_plan(b, plan[cut:], full=True) == ref, cut
+        assert b.state_dict() == whole.state_dict(), cut

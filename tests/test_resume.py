@@ -19,7 +19,7 @@ FAULTS = {
     14: lambda m: scale_grad(m.blocks[1].mlp.proj, 1000.0),  # before the checkpoint
     36: lambda m: scale_grad(m.head, 1000.0),  # after it: rolls back to a snapshot taken before the cut
     41: lambda m: poison_grad(m.blocks[0].attn.qkv),
-    45: lambda m: scale_grad(m.blocks[0].mlp.fc, 6.0),  # an outlier: scaled back, not refused
+    45: lambda m: scale_grad(m.blocks[0].mlp.fc, 6.0),  # an outlier, its loss not quiet: scaled back, not refused
 }
 
 CONFIGS = {
@@ -131,7 +131,7 @@ def _train(model, opt, batches, start, stop, rise=False, shift=False, absent=Fal
         if absent and step in ABSENT:
             for p in model.blocks[0].mlp.proj.parameters():
                 p.grad = None
-        opt.step(loss=loss)
+        opt.step(loss=loss * 3.0 if step == 45 else loss)  # (a quiet loss: the x6 taken as it is)
         opt.zero_grad()
 
 
