@@ -22,10 +22,12 @@ series in plain Python: cheaper than a dozen small numpy calls for the few hundr
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from operator import truediv
 from typing import Any, Dict, List, Optional, Sequence
 
+from .checks import native, shown
 
 
 @dataclass
@@ -59,6 +61,40 @@ class Decision:
 
 
 _NAN = float("nan")
+
+
+def _baseline(field: str, names: Sequence[Any], i: int, value: Any) -> float:
+    """A saved baseline as a float: a finite number >= 0 (numpy and tensor scalars too), else ValueError."""
+    v = native(value)
+    try:
+        ok = _real(v) and math.isfinite(v) and v >= 0
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
+        raise ValueError(f"the detector state's {field!r}[{i}] ({_name(names, i)}) must be a finite number >= 0 "
+                         f"(a baseline); got {shown(value)}")
+    return float(v)
+
+
+def _count(field: str, names: Sequence[Any], i: int, value: Any) -> int:
+    """A saved count as an int: an integer >= 0 (an integer-valued float too), else ValueError."""
+    v = native(value)
+    if isinstance(v, float) and _real(v) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise ValueError(f"the detector state's {field!r}[{i}] ({_name(names, i)}) must be an integer >= 0; "
+                         f"got {shown(value)}")
+    return int(v)
+
+
+def _real(v: Any) -> bool:
+    """A number (a bool is not one)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _name(names: Sequence[Any], i: int) -> str:
+    """The series a saved entry is for, as a message names it."""
+    return f"series {names[i]!r}" if i < len(names) else "no series name"
 
 
 class SpikeDetector:
@@ -225,16 +261,26 @@ class SpikeDetector:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Load by name: series missing from ``state`` keep their current (fresh) state."""
-        pos = {n: i for i, n in enumerate(state["names"])}
+        """Load by name: series missing from ``state`` keep their current (fresh) state.
+
+        Raises:
+            ValueError: A baseline (``ema``) that is not a finite number >= 0, or a ``count`` or
+                ``consecutive`` that is not an integer >= 0 (numpy and tensor scalars are numbers); the
+                message names the field, the series and the value. Nothing is loaded then.
+        """
+        names = state["names"]
+        ema = [_baseline("ema", names, i, v) for i, v in enumerate(state["ema"])]
+        count = [_count("count", names, i, v) for i, v in enumerate(state["count"])]
+        consecutive = [_count("consecutive", names, i, v) for i, v in enumerate(state["consecutive"])]
+        pos = {n: i for i, n in enumerate(names)}
         for j, name in enumerate(self.names):
             i = pos.get(name)
             if i is None:
                 continue
-            self.ema[j] = float(state["ema"][i])
-            self.count[j] = min(int(state["count"][i]), self._cap)
+            self.ema[j] = ema[i]
+            self.count[j] = min(count[i], self._cap)
             if j < self.n_detect:
-                self.consecutive[j] = int(state["consecutive"][i])
+                self.consecutive[j] = consecutive[i]
         self._refresh_flags()
 
     def unknown_names(self, state: Dict[str, Any]) -> List[str]:

@@ -28,8 +28,10 @@ its own:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from .checks import native, shown
 from .detector import SpikeDetector
 
 #: The layers the global rule looks at on a step (``None``: all), their total norm, and its baseline.
@@ -138,9 +140,28 @@ class GlobalBaseline:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load the policy state's keys of :meth:`state_dict` (missing: no baseline yet; a layer not in
-        this run is left out of the set)."""
-        self.ema = float(state.get("global_ema", 0.0))
-        self.count = int(state.get("global_count", 0))
+        this run is left out of the set).
+
+        Raises:
+            ValueError: A ``global_ema`` that is not a finite number >= 0 or a ``global_count`` that is not
+                an integer >= 0 (numpy and tensor scalars are numbers); nothing is loaded then.
+        """
+        ema = native(state.get("global_ema", 0.0))
+        try:
+            ok = isinstance(ema, numbers.Real) and not isinstance(ema, bool) and math.isfinite(ema) and ema >= 0
+        except OverflowError:  # an int too large for a float
+            ok = False
+        if not ok:
+            raise ValueError(f"the policy state's 'global_ema' (the global norm's baseline) must be a finite "
+                             f"number >= 0; got {shown(state.get('global_ema'))}")
+        count = native(state.get("global_count", 0))
+        if isinstance(count, float) and math.isfinite(count) and count.is_integer():
+            count = int(count)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"the policy state's 'global_count' must be an integer >= 0; "
+                             f"got {shown(state.get('global_count'))}")
+        self.ema = float(ema)
+        self.count = int(count)
         pos_of = {n: i for i, n in enumerate(self.detector.names[: self.n_layers])}
         layers = state.get("global_layers")
         self.layers = None if layers is None else tuple(pos_of[n] for n in layers if n in pos_of)

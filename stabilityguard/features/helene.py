@@ -24,12 +24,15 @@ It is inspired by HELENE's layer-wise clipping of curvature estimates; it is not
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class LayerClipper:
@@ -147,9 +150,20 @@ class LayerClipper:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output, so a resumed run clips exactly as an uninterrupted one."""
+        """Restore :meth:`state_dict` output, so a resumed run clips exactly as an uninterrupted one.
+
+        Thresholds saved for another number of layers (saved with or without ``model=`` and resumed the
+        other way, or from another model) are dropped, with a warning, as calibration drops per-layer
+        statistics of another model: they are recomputed from the second moments at the next clipped
+        step."""
         th = state.get("thresholds")
         key = state.get("key")
+        if th is not None and key is not None and len(th) != self.n_layers:
+            logger.warning("stabilityguard: the saved helene thresholds are for %d layers, this guard has %d "
+                           "(saved with model= and resumed without it, or the reverse?); they are dropped and "
+                           "recomputed at the next step", len(th), self.n_layers)
+            th = key = None
+            self.thresholds, self._threshold_list, self._key = None, [], None
         if th is not None and key is not None:
             device = self.params[0].device if self.params else torch.device("cpu")
             dtype = getattr(torch, str(state.get("dtype") or "float32"), None)

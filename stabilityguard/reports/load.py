@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 from array import array
 from bisect import bisect_left
 from contextlib import nullcontext
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .._optional import require
-from ..checks import check_int
+from ..checks import check_int, native
 from ..errors import StabilityGuardError
 from ..events import SCHEMA_VERSION, check_schema_version
 from . import _fast, _fast_windows
@@ -278,6 +279,22 @@ class _Checker:
         return out
 
 
+#: The ``run_start`` config settings the reports read (as numbers > 0), and their defaults.
+_CONFIG_NUMBERS = {"spike_threshold": 10.0, "eos_warning_ratio": 1.0}
+
+
+def _positive(v: Any) -> bool:
+    """Is ``v`` a finite number > 0 (a bool is not a number)?"""
+    return type(v) in (int, float) and -_BIG < v < _BIG and math.isfinite(v) and v > 0
+
+
+def config_number(run: "RunLog", key: str, default: float) -> float:
+    """The run's ``config[key]`` as a float when it is a finite number > 0, else ``default`` (a missing
+    setting, or a wrong one in a :class:`RunLog` not made by the loader, which reports those)."""
+    v = run.config.get(key)
+    return float(v) if _positive(v) else default
+
+
 def _step_of(rec: Dict[str, Any]) -> int:
     v = rec.get("step")
     if type(v) is int and -_INT_MAX <= v < _INT_MAX:
@@ -455,6 +472,13 @@ class _RunBuilder:
         if "config" in rec and not isinstance(rec.get("config"), dict):
             chk._complain("config", rec.get("config"), "an object")
             clean["config"] = {}
+        elif isinstance(rec.get("config"), dict):
+            cfg = rec["config"]
+            bad = [k for k in _CONFIG_NUMBERS if k in cfg and cfg[k] is not None and not _positive(cfg[k])]
+            if bad:  # the reports read these: a wrong one is read as unknown (the default applies)
+                for k in bad:
+                    chk._complain(f"config.{k}", cfg[k], "a number > 0")
+                clean["config"] = {k: v for k, v in cfg.items() if k not in bad}
         if "layer_names" in rec:
             clean["layer_names"] = chk.names(rec, "layer_names")
         for k in ("n_layers", "n_params"):
@@ -898,7 +922,11 @@ SEVERITY_CLASSES = ("normal", "moderate", "severe", "critical", "nonfinite")
 def severity_of(ratio: Any, kind: Any = None) -> Any:
     """Classify ratios: 1-2 normal, 2-5 moderate, 5-10 severe, >10 critical; ``nonfinite`` for NaN/Inf.
 
-    Works on scalars or pandas Series (returns an ordered categorical then).
+    Works on scalars (numpy and tensor scalars too; ``None`` is ``nonfinite``) or sequences and pandas
+    Series (returns an ordered categorical then).
+
+    Raises:
+        TypeError: A scalar that is not a number (a string, a bool).
 
     Example:
         >>> severity_of(12.0)
@@ -906,6 +934,11 @@ def severity_of(ratio: Any, kind: Any = None) -> Any:
     """
     if getattr(ratio, "ndim", None) == 0:  # a 0-d numpy array or tensor: the number it holds
         ratio = ratio.item()
+    ratio = native(ratio)
+    if isinstance(ratio, (str, bytes, bool)) or (not hasattr(ratio, "__len__") and ratio is not None
+                                                 and not isinstance(ratio, numbers.Real)):
+        raise TypeError("ratio must be a number, None, or a sequence or Series of numbers; "
+                        f"got {_type_name(ratio)} {_short(ratio)}")
     if not hasattr(ratio, "__len__"):
         if kind == "nonfinite" or ratio is None or ratio != ratio or ratio == float("inf"):
             return "nonfinite"

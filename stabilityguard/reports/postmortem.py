@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..errors import MissingDependencyError
-from .load import RunLog, check_run
+from .load import RunLog, check_run, config_number
 from .tables import RANKING_RULE, layer_ranking, run_summary, severity_table
 
 logger = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ def _eos_section(run: RunLog, listed: int = 10) -> List[str]:
     sh = run.sharpness
     if sh is None or not len(sh):
         return []
-    level = float(run.config.get("eos_warning_ratio") or 1.0)
+    level = config_number(run, "eos_warning_ratio", 1.0)
     out = ["## Edge of stability", "",
            "Sharpness against the optimizer's stability threshold (telemetry: no step was skipped for it).", "",
            "| method | checks | median ratio | max ratio (step) | checks at or above " + f"{level:g} |",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .load import SEVERITY_CLASSES, RunLog, _pd, check_run
+from ..checks import _check_number, check_int, native, shown
+from ..errors import ConfigError
+from .load import SEVERITY_CLASSES, RunLog, _pd, check_run, config_number
 
 
 def severity_table(run: RunLog) -> Any:
@@ -35,7 +37,7 @@ def severity_table(run: RunLog) -> Any:
             "severity": cls,
             "incidents": int(len(sel)),
             "layers": int(li.loc[li["severity"] == cls, "layer"].nunique()),
-            "near_misses": int(((window_sev == cls) & (window <= run.config.get("spike_threshold", 10.0))).sum())
+            "near_misses": int(((window_sev == cls) & (window <= config_number(run, "spike_threshold", 10.0))).sum())
             if cls not in ("nonfinite",) else 0,
         }
         for a in actions:
@@ -195,6 +197,10 @@ SPIKE_SCORE_RULE = (
 )
 
 
+#: The signals :func:`step_series` and :func:`spike_score` read (the per-step values the log records).
+SIGNALS = ("loss", "global_norm", "lr", "update_rms")
+
+
 def step_series(run: RunLog, signal: str = "loss") -> Any:
     """Every known per-step value of ``signal`` (``loss``, ``global_norm``, ``lr``, ``update_rms``), by step.
 
@@ -229,18 +235,32 @@ def spike_score(run: RunLog, signal: str = "loss", z: float = 7.0, window: int =
 
     Args:
         run: The loaded run.
-        signal: ``loss`` or ``global_norm`` (any column of :func:`step_series`).
-        z: Standard deviations away from the rolling mean that make a spike.
-        window: Previous values in the rolling mean and deviation.
-        min_history: Values needed before a step is scored.
+        signal: One of :data:`SIGNALS`: ``loss``, ``global_norm``, ``lr`` or ``update_rms``.
+        z: Standard deviations away from the rolling mean that make a spike (a finite number > 0).
+        window: Previous values in the rolling mean and deviation (an integer >= 1).
+        min_history: Values needed before a step is scored (an integer >= 1).
+
+    Numpy and tensor scalars are taken as the numbers they hold.
 
     Returns:
         The share in [0, 1], or ``None`` when no value could be scored.
+
+    Raises:
+        ConfigError: An unknown ``signal``, or ``z``, ``window`` or ``min_history`` out of range.
+        TypeError: ``run`` is not a :class:`RunLog`.
 
     Example:
         >>> spike_score(load_run("./sg_logs"), "loss")  # doctest: +SKIP
         0.0
     """
+    check_run(run)
+    signal = native(signal)
+    if not isinstance(signal, str) or signal not in SIGNALS:
+        raise ConfigError(f"signal must be one of {', '.join(map(repr, SIGNALS))}; got {shown(signal)}")
+    z = native(z)
+    _check_number("z", z, low=0.0, low_inclusive=False)
+    window = check_int("window", window, low=1, note="previous values in the rolling mean")
+    min_history = check_int("min_history", min_history, low=1, note="values needed before a step is scored")
     s = step_series(run, signal)
     if len(s) <= min_history:
         return None

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from typing import IO, TYPE_CHECKING, List, Optional
 
+from ..checks import shown
+from ..errors import ConfigError
 from ..events import (
     ActionTaken, BaselineReset, Calibration, EosWarning, GuardEvent, NonFinite, RunEnd, Spike, StepSummary,
 )
@@ -51,19 +53,31 @@ class ConsoleSink:
     Args:
         reports: The run's :class:`SpikeReportSink`, for the "written →" line with the path it really
             wrote (or a note that the write failed); ``None``: no such line.
-        stream: Where to print (``sys.stdout`` at the time of printing by default).
+        stream: Where to print: a text stream, anything with a callable ``write(str)`` (flushed after each
+            line when it has a ``flush``); ``None``: ``sys.stdout`` at the time of printing.
+
+    Raises:
+        ConfigError: ``stream`` has no callable ``write``.
 
     Example:
         >>> sink = ConsoleSink()  # added automatically when verbose=True  # doctest: +SKIP
     """
 
     def __init__(self, reports: Optional["SpikeReportSink"] = None, stream: Optional[IO[str]] = None) -> None:
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            raise ConfigError("stream must be a text stream with a callable write() (sys.stderr, an io.StringIO, "
+                              f"an open text file) or None for sys.stdout; got {type(stream).__name__} "
+                              f"{shown(stream)}")
         self.reports = reports
         self.stream = stream
         self._pending: Optional[Spike] = None
 
     def _print(self, text: str) -> None:
-        print(text, file=self.stream or sys.stdout, flush=True)
+        stream = self.stream if self.stream is not None else sys.stdout
+        print(text, file=stream)
+        flush = getattr(stream, "flush", None)
+        if callable(flush):
+            flush()
 
     def emit(self, event: GuardEvent) -> None:
         if isinstance(event, Spike):

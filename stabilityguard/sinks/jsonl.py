@@ -8,7 +8,7 @@ from collections import deque
 from pathlib import Path
 from typing import Deque, Optional, Union
 
-from ..checks import check_int
+from ..checks import check_int, native, shown
 from ..errors import ConfigError
 from ..events import GuardEvent
 from ._json import dumps
@@ -33,7 +33,7 @@ class JsonlSink:
 
     Args:
         log_dir: Directory of the log (created if missing).
-        per_rank: Name the file after the rank too (for per-rank logs under torch.distributed).
+        per_rank: Name the file after the rank too (for per-rank logs under torch.distributed); a bool.
         max_pending: Lines kept in memory while the file cannot be written.
 
     Example:
@@ -47,6 +47,9 @@ class JsonlSink:
         if not isinstance(log_dir, (str, os.PathLike)) or log_dir == "":
             raise ConfigError(f"log_dir must be a directory path (str or pathlib.Path); got {log_dir!r}")
         self.log_dir = Path(log_dir)
+        per_rank = native(per_rank)  # a numpy bool is a bool
+        if not isinstance(per_rank, bool):
+            raise ConfigError(f"per_rank must be True or False; got {shown(per_rank)}")
         self.per_rank = per_rank
         self.max_pending = check_int("max_pending", max_pending, low=1,
                                      note="lines kept while the file cannot be written")

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Tuple, Union
 
+from ..checks import shown
+from ..errors import ConfigError
 from ..events import GuardEvent, NonFinite, Spike
 from ._json import dumps
 
@@ -56,13 +58,18 @@ class SpikeReportSink:
     overwriting it.
 
     Args:
-        log_dir: Directory of the reports (created if missing).
+        log_dir: Directory of the reports (created if missing at the first report).
+
+    Raises:
+        ConfigError: ``log_dir`` is not a directory path (a str or ``os.PathLike``, not empty).
 
     Example:
         >>> sink = SpikeReportSink("./sg_logs")  # doctest: +SKIP
     """
 
     def __init__(self, log_dir: Union[str, Path]) -> None:
+        if not isinstance(log_dir, (str, os.PathLike)) or log_dir == "":
+            raise ConfigError(f"log_dir must be a directory path (str or pathlib.Path); got {shown(log_dir)}")
         self.log_dir = Path(log_dir)
         #: Where each report went, by ``(run_id, rank, step)``; a report that failed is absent.
         self.written: Dict[Tuple[str, int, int], Path] = {}
