@@ -283,7 +283,8 @@ class GuardPolicy:
         lim = self.outlier_ratio
         # do no harm: a rise under a spike's jump over the last accepted norm is the model's unless the loss
         # shows trouble (an instability, or this loss not quiet); a sudden one is scaled back whatever the loss
-        quiet = self.loss is not None and not self.unstable and self.loss.quiet(loss, z)
+        quiet = (self.loss is not None and not self.unstable and (decision.max_ratio > lim or gr > lim)
+                 and self.loss.quiet(loss, z))  # (only on a step with an outlier: the common step has none)
         crit, jump = self.critical, self.detector.threshold
         factors: Optional[List[float]] = None
         reasons: List[str] = []
