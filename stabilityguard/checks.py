@@ -37,6 +37,36 @@ def native(value: Any) -> Any:
 _native = native
 
 
+def finite_number(value: Any) -> bool:
+    """Is ``value`` a finite real number? A bool is not a number here, nor an int too large for a float.
+
+    Example:
+        >>> finite_number(2), finite_number(float("nan")), finite_number(True), finite_number(10**400)
+        (True, False, False, False)
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400)
+        return False
+
+
+def whole_number(value: Any) -> Optional[int]:
+    """``value`` as an ``int`` when it is an integer (an integer-valued finite float too); ``None`` for
+    anything else, a bool included.
+
+    Example:
+        >>> whole_number(3), whole_number(3.0), whole_number(3.5), whole_number(True)
+        (3, 3, None, None)
+    """
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _coerce_native(cfg: Any) -> None:
     """Store numpy/tensor scalars as plain Python values so every sink can serialise the config."""
     for f in fields(cfg):
@@ -57,10 +87,7 @@ def _check_number(
 ) -> None:
     if none_ok and value is None:
         return
-    try:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    except OverflowError:  # an int too large for a float (10**400)
-        ok = False
+    ok = finite_number(value)
     if ok and low is not None:
         ok = value >= low if low_inclusive else value > low
     if ok and high is not None:

@@ -22,12 +22,11 @@ series in plain Python: cheaper than a dozen small numpy calls for the few hundr
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from operator import truediv
 from typing import Any, Dict, List, Optional, Sequence
 
-from .checks import native, shown
+from .checks import finite_number, native, shown, whole_number
 
 
 @dataclass
@@ -66,11 +65,7 @@ _NAN = float("nan")
 def _baseline(field: str, names: Sequence[Any], i: int, value: Any) -> float:
     """A saved baseline as a float: a finite number >= 0 (numpy and tensor scalars too), else ValueError."""
     v = native(value)
-    try:
-        ok = _real(v) and math.isfinite(v) and v >= 0
-    except OverflowError:  # an int too large for a float
-        ok = False
-    if not ok:
+    if not (finite_number(v) and v >= 0):
         raise ValueError(f"the detector state's {field!r}[{i}] ({_name(names, i)}) must be a finite number >= 0 "
                          f"(a baseline); got {shown(value)}")
     return float(v)
@@ -78,18 +73,11 @@ def _baseline(field: str, names: Sequence[Any], i: int, value: Any) -> float:
 
 def _count(field: str, names: Sequence[Any], i: int, value: Any) -> int:
     """A saved count as an int: an integer >= 0 (an integer-valued float too), else ValueError."""
-    v = native(value)
-    if isinstance(v, float) and _real(v) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+    v = whole_number(native(value))
+    if v is None or v < 0:
         raise ValueError(f"the detector state's {field!r}[{i}] ({_name(names, i)}) must be an integer >= 0; "
                          f"got {shown(value)}")
-    return int(v)
-
-
-def _real(v: Any) -> bool:
-    """A number (a bool is not one)."""
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+    return v
 
 
 def _name(names: Sequence[Any], i: int) -> str:

@@ -28,10 +28,9 @@ its own:
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from .checks import native, shown
+from .checks import finite_number, native, shown, whole_number
 from .detector import SpikeDetector
 
 #: The layers the global rule looks at on a step (``None``: all), their total norm, and its baseline.
@@ -147,17 +146,11 @@ class GlobalBaseline:
                 an integer >= 0 (numpy and tensor scalars are numbers); nothing is loaded then.
         """
         ema = native(state.get("global_ema", 0.0))
-        try:
-            ok = isinstance(ema, numbers.Real) and not isinstance(ema, bool) and math.isfinite(ema) and ema >= 0
-        except OverflowError:  # an int too large for a float
-            ok = False
-        if not ok:
+        if not (finite_number(ema) and ema >= 0):
             raise ValueError(f"the policy state's 'global_ema' (the global norm's baseline) must be a finite "
                              f"number >= 0; got {shown(state.get('global_ema'))}")
-        count = native(state.get("global_count", 0))
-        if isinstance(count, float) and math.isfinite(count) and count.is_integer():
-            count = int(count)
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+        count = whole_number(native(state.get("global_count", 0)))
+        if count is None or count < 0:
             raise ValueError(f"the policy state's 'global_count' must be an integer >= 0; "
                              f"got {shown(state.get('global_count'))}")
         self.ema = float(ema)

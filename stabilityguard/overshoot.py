@@ -52,6 +52,8 @@ import math
 import numbers
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .checks import finite_number
+
 __all__ = ["WarmupOvershoot"]
 
 
@@ -87,7 +89,7 @@ class WarmupOvershoot:
 
     def __init__(self, ratio: float, steps: int = 20) -> None:
         ratio = _scalar(ratio)
-        if not _finite(ratio) or not ratio > 1:
+        if not finite_number(ratio) or not ratio > 1:
             raise ValueError(f"overshoot ratio (instability_overshoot) must be a finite number > 1; got {ratio!r}")
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
             raise ValueError(f"overshoot steps must be an integer >= 1; got {steps!r}")
@@ -162,7 +164,7 @@ class WarmupOvershoot:
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"overshoot count must be an integer >= 0; got {count!r}")
         start = state.get("start", [])
-        if not isinstance(start, (list, tuple)) or len(start) > self.START or not all(_finite(v) for v in start):
+        if not isinstance(start, (list, tuple)) or len(start) > self.START or not all(finite_number(v) for v in start):
             raise ValueError(f"overshoot start must be a list of at most {self.START} finite losses; got {start!r}")
         retired = not start and count >= self.steps  # it no longer looks: no norms needed
         seen = state.get("seen", count)
@@ -187,7 +189,7 @@ class WarmupOvershoot:
         high, low = state.get("high"), state.get("low")
         if start:
             for name, v in (("high", high), ("low", low)):
-                if not _finite(v) or not v > 0:
+                if not finite_number(v) or not v > 0:
                     raise ValueError(f"overshoot {name} must be a positive finite number; got {v!r}")
             if low > high:
                 raise ValueError(f"overshoot low must be <= high; got low={low!r}, high={high!r}")
@@ -203,12 +205,3 @@ def _scalar(v: Any) -> Any:
     if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
         return v.item()
     return v
-
-
-def _finite(v: Any) -> bool:
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an integer too large for a float
-        return False
