@@ -52,7 +52,7 @@ import math
 import numbers
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .checks import finite_number
+from .checks import finite_number, native
 
 __all__ = ["WarmupOvershoot"]
 
@@ -88,7 +88,7 @@ class WarmupOvershoot:
     CLIMB = 3.0
 
     def __init__(self, ratio: float, steps: int = 20) -> None:
-        ratio = _scalar(ratio)
+        ratio = native(ratio)
         if not finite_number(ratio) or not ratio > 1:
             raise ValueError(f"overshoot ratio (instability_overshoot) must be a finite number > 1; got {ratio!r}")
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
@@ -112,7 +112,7 @@ class WarmupOvershoot:
         made of (the guard passes its parameters with a gradient); ``True`` when it overshoots. A step
         whose norm is not positive and finite, or whose loss is not finite, is left out (it counts neither
         way); one whose names differ from the last step's starts the comparison again (not a jump)."""
-        global_norm, loss = _scalar(global_norm), _scalar(loss)  # a 0-d tensor is stored as a float, not kept
+        global_norm, loss = native(global_norm), native(loss)  # a 0-d tensor is stored as a float, not kept
         if self.done or not (global_norm > 0 and math.isfinite(global_norm)) or not math.isfinite(loss):
             return False
         global_norm, loss = float(global_norm), float(loss)
@@ -157,9 +157,9 @@ class WarmupOvershoot:
         """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
         if not isinstance(state, dict):
             raise ValueError(f"overshoot state must be a dict; got {type(state).__name__}")
-        state = {k: _scalar(v) for k, v in state.items()}
+        state = {k: native(v) for k, v in state.items()}
         if isinstance(state.get("start"), (list, tuple)):
-            state["start"] = [_scalar(v) for v in state["start"]]
+            state["start"] = [native(v) for v in state["start"]]
         count = state.get("count", 0)
         if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"overshoot count must be an integer >= 0; got {count!r}")
@@ -198,10 +198,3 @@ class WarmupOvershoot:
         self.layers = None if layers is None else tuple(layers)
         self.start = [float(v) for v in start]
         self.armed = int(armed) if count < self.steps else 0  # done: nothing waits (start checked above)
-
-
-def _scalar(v: Any) -> Any:
-    """A 0-d numpy or torch scalar as a Python number (anything else as it is)."""
-    if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
-        return v.item()
-    return v

@@ -52,6 +52,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 
 from ..backoff import linear_recovery
+from ..checks import finite_number
 from ..config import SPAM_SCOPES
 from ..errors import ConfigError
 from ..lr_scaling import is_number, with_lr_factor
@@ -306,7 +307,7 @@ class MomentumReset:
         lrs = state.get("lrs_at_update", None)  # absent before it: the groups' LRs now
         if lrs is not None:
             if not isinstance(lrs, (list, tuple)) or not all(
-                    v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v))
+                    v is None or finite_number(v)
                     for v in lrs):
                 raise ValueError(f"spam lrs_at_update (each group's LR at the last update) must be a list of "
                                  f"finite numbers or None; got {lrs!r}")
