@@ -90,13 +90,14 @@ class CriticalSpikes:
         last = self.last
         return last is not None and last[i] > 0 and value < jump * last[i]
 
-    def gradual_total(self, total: float, jump: float) -> bool:
-        """:meth:`gradual` for the global norm ``total``, against the root of the sum of the squares of
-        the last accepted layer norms."""
+    def gradual_total(self, total: float, jump: float, layers: Optional[Sequence[int]] = None) -> bool:
+        """:meth:`gradual` for the global norm ``total`` of ``layers`` (``None``: all), against the root of
+        the sum of the squares of the same layers' last accepted norms (a layer the total leaves out, absent
+        this step or not yet covered, is left out of the comparison too)."""
         last = self.last
         if last is None:
             return False
-        before = math.sqrt(sum(v * v for v in last))
+        before = math.sqrt(sum(last[i] * last[i] for i in (range(len(last)) if layers is None else layers)))
         return before > 0 and total < jump * before
 
     def commit(self, values: Sequence[float], present: Optional[Sequence[bool]]) -> None:

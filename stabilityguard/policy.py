@@ -275,7 +275,7 @@ class GuardPolicy:
         if not decision.accepted:
             return Verdict(REFUSE, decision, loss_z=z, consistent_shift=early, calm_shift=calm)
         glob = self.global_norm
-        _, gn, ema = glob.view(values, present, global_norm, self.unstable)
+        key, gn, ema = glob.view(values, present, global_norm, self.unstable)
         young = glob.young(gn, ema)  # a jump of the global norm before any layer is covered (early_clip)
         gr = glob.ratio(gn, ema, young)
         if not self.graded:
@@ -313,7 +313,7 @@ class GuardPolicy:
         cap = glob.cap(unstable, young)
         # a layer's new level moves the total too (unless the loss says the run is unstable)
         if gr > cap and (decision.level_shift is None or unstable) and \
-                not (quiet and not young and crit.gradual_total(gn, jump)):
+                not (quiet and not young and crit.gradual_total(gn, jump, key)):
             g = cap / gr
             factors = [min(f, g) for f in factors] if factors else [g] * self.n_layers
             reasons.append("warmup" if young else "instability" if unstable else "global")

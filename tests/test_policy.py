@@ -1610,3 +1610,32 @@ def test_a_run_through_quiet_and_loud_outliers_resumes_bit_for_bit_at_every_cut(
         b.load_state_dict(json.loads(json.dumps(a.state_dict(), allow_nan=False)))
         assert head + _feed_plan(b, plan[cut:], full=True) == ref, cut
         assert b.state_dict() == whole.state_dict(), cut
+
+
+def test_a_quiet_loss_gradual_total_compares_the_same_layers_as_the_global_norm():
+    """The global rule's total leaves out a layer absent this step; so must the norm it is compared with
+    (the layers' last accepted norms): an auxiliary layer at 30x the body's, absent, made a total 10x its
+    last step's look gradual (scaled back by nothing but the rising layer's own factor)."""
+    def run(present_aux):
+        pol = GuardPolicy(["body", "mid", "aux"], 3, [0, 1, 2], spike_threshold=10.0, ema_alpha=0.1, warmup_steps=5)
+        rng = random.Random(2)
+        for _ in range(40):
+            vals = [1.0 + 0.05 * rng.random(), 1.0 + 0.05 * rng.random(), 30.0 * (1.0 + 0.05 * rng.random())]
+            loss = 1.0 + 0.01 * rng.random()
+            v = pol.decide(vals, None, math.sqrt(sum(x * x for x in vals)), loss)
+            pol.commit(v, vals, None, loss, math.sqrt(sum(x * x for x in vals)))
+        small = [1.0, 0.01, 30.0]  # an ordinary step with a tiny norm of "mid"
+        v = pol.decide(small, None, math.sqrt(sum(x * x for x in small)), 1.0)
+        pol.commit(v, small, None, 1.0, math.sqrt(sum(x * x for x in small)))
+        assert v.kind == ACCEPT
+        quiet_loss = pol.loss.stats[0]
+        jump = [9.9, 3.0, 30.0 if present_aux else 0.0]  # "body" 9.9x its last, "mid" 300x: the total 10.3x
+        present = None if present_aux else [True, True, False]
+        gn = math.sqrt(9.9 ** 2 + 3.0 ** 2 + (30.0 ** 2 if present_aux else 0.0))
+        return pol.decide(jump, present, gn, quiet_loss)
+
+    absent = run(False)
+    assert absent.kind == CLIP and "global" in absent.reasons  # 10.3x the same layers' last total: sudden
+    assert max(absent.factors) < 0.5
+    present = run(True)  # with the auxiliary layer in it the total rose 1.1x: gradual, only "mid" scaled back
+    assert present.kind == CLIP and "global" not in present.reasons and present.factors[0] == 1.0
