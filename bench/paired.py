@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -29,34 +30,63 @@ def load(paths: Sequence[Path], method: str) -> Dict[Key, float]:
     out: Dict[Key, float] = {}
     for path in paths:
         with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                if method not in row["method"] or row.get("eval_loss") in (None, ""):
+            reader = csv.DictReader(f)
+            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise ValueError(f"{path}: no column {', '.join(missing)} (not a bench/protection.py CSV?)")
+            for row in reader:
+                if any(row[c] is None for c in COLUMNS):
+                    raise ValueError(f"{path}, line {reader.line_num}: the row is short ({len(row) - 1} of "
+                                     f"{len(reader.fieldnames)} columns)")
+                if method not in row["method"] or row["eval_loss"] == "":
                     continue
-                key = (row["workload"], row["scenario"], int(row["seed"]))
+                try:
+                    key = (row["workload"], row["scenario"], int(row["seed"]))
+                    value = float(row["eval_loss"])  # nan: the run diverged
+                except ValueError:
+                    raise ValueError(f"{path}, line {reader.line_num}: seed {row['seed']!r} or eval_loss "
+                                     f"{row['eval_loss']!r} is not a number") from None
                 if key in out:
                     raise ValueError(f"{path}: two rows for {key} match method {method!r}; name it more precisely")
-                out[key] = float(row["eval_loss"])
+                out[key] = value
     return out
+
+
+#: The columns :func:`load` reads.
+COLUMNS = ("workload", "scenario", "method", "seed", "eval_loss")
 
 
 def paired(a: Dict[Key, float], b: Dict[Key, float],
            scenarios: Optional[Sequence[str]] = None) -> List[Dict[str, object]]:
     """Per (workload, scenario): n, mean of b - a, its standard error, seeds better (b < a) and worse.
 
+    A seed where a run diverged (a non-finite eval loss) is left out of n, the mean and the se, and counted
+    in ``diverged`` (``(A's, B's)``) and as better or worse: a finite run beats a diverged one.
+
     Example:
         >>> paired({("gpt", "clean", 0): 1.0, ("gpt", "clean", 1): 2.0}, {("gpt", "clean", 0): 0.5, ("gpt", "clean", 1): 2.5})[0]["mean"]
         0.0
+        >>> r = paired({("mlp", "high_lr", 0): 1.0, ("mlp", "high_lr", 1): 1.0},
+        ...            {("mlp", "high_lr", 0): 0.5, ("mlp", "high_lr", 1): float("nan")})[0]
+        >>> r["n"], r["mean"], r["diverged"], r["better"], r["worse"]
+        (1, -0.5, (0, 1), 1, 1)
     """
-    cells: Dict[Tuple[str, str], List[float]] = {}
+    cells: Dict[Tuple[str, str], List[Tuple[float, float]]] = {}
     for key in sorted(set(a) & set(b)):
         if scenarios and key[1] not in scenarios:
             continue
-        cells.setdefault(key[:2], []).append(b[key] - a[key])
+        cells.setdefault(key[:2], []).append((a[key], b[key]))
     rows = []
-    for (w, s), d in sorted(cells.items()):
-        rows.append({"workload": w, "scenario": s, "n": len(d), "mean": statistics.fmean(d),
-                     "se": statistics.pstdev(d) / len(d) ** 0.5, "better": sum(x < 0 for x in d),
-                     "worse": sum(x > 0 for x in d)})
+    for (w, s), pairs in sorted(cells.items()):
+        d = [y - x for x, y in pairs if math.isfinite(x) and math.isfinite(y)]
+        a_div = sum(not math.isfinite(x) for x, _ in pairs)
+        b_div = sum(not math.isfinite(y) for _, y in pairs)
+        only_a = sum(not math.isfinite(x) and math.isfinite(y) for x, y in pairs)  # B finite, A diverged
+        only_b = sum(math.isfinite(x) and not math.isfinite(y) for x, y in pairs)
+        rows.append({"workload": w, "scenario": s, "n": len(d), "mean": statistics.fmean(d) if d else math.nan,
+                     "se": statistics.pstdev(d) / len(d) ** 0.5 if d else math.nan,
+                     "better": sum(x < 0 for x in d) + only_a, "worse": sum(x > 0 for x in d) + only_b,
+                     "diverged": (a_div, b_div)})
     return rows
 
 
@@ -72,11 +102,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         rows = paired(load(args.a, args.method), load(args.vs, args.vs_method or args.method), args.scenarios)
     except (OSError, KeyError, ValueError) as exc:
         ap.error(str(exc))
-    print("| workload | scenario | seeds | B - A, mean eval loss (nats) | se | B better | B worse |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| workload | scenario | seeds | B - A, mean eval loss (nats) | se | B better | B worse | diverged A / B |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['workload']} | {r['scenario']} | {r['n']} | {r['mean']:+.4f} | {r['se']:.4f} | "
-              f"{r['better']} | {r['worse']} |")
+              f"{r['better']} | {r['worse']} | {r['diverged'][0]} / {r['diverged'][1]} |")
     return rows
 
 

@@ -75,7 +75,8 @@ def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
 
     Real numbers of any kind (Python, numpy scalars, a one-element numpy array of integers or floats)
     become a ``float``; anything else (a string, a bool, a complex number, a list, an array of several
-    values, an integer too large for a float, a complex or bool tensor) is a ``TypeError`` naming ``where``.
+    values, an integer too large for a float, a complex or bool tensor, an empty tensor) is a ``TypeError``
+    naming ``where``.
 
     Example:
         >>> import numpy as np
@@ -87,6 +88,9 @@ def check_loss(loss: Any, where: str = "step(loss=...)") -> Any:
     if isinstance(loss, torch.Tensor):
         if loss.dtype.is_complex or loss.dtype == torch.bool:
             raise TypeError(f"{where} must be a real-valued tensor, a real number or None; got a {loss.dtype} tensor")
+        if loss.numel() == 0:  # (its mean, what the guard reads of a tensor of several losses, would be NaN)
+            raise TypeError(f"{where} must be a tensor with at least one element, a real number or None; got "
+                            f"an empty tensor of shape {tuple(loss.shape)}")
         return loss
     try:
         if type(loss).__module__ == "numpy":  # numpy scalars and arrays: by their dtype (np.bool_ is no number)

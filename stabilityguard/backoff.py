@@ -67,6 +67,8 @@ import math
 import numbers
 from typing import Any, Dict, Optional
 
+from .checks import native
+
 
 def linear_recovery(start: float, since: int, steps: int) -> float:
     """The LR factor ``since`` steps into a linear return from ``start`` to 1 over ``steps`` steps (1 at
@@ -249,6 +251,9 @@ class InstabilityBackoff:
         was 1) is taken as none, so the next unstable step drops the LR."""
         if not isinstance(state, dict):
             raise ValueError(f"backoff state must be a dict; got {type(state).__name__}")
+        state = {k: native(v) for k, v in state.items()}  # numpy and 0-d tensor scalars: the values they hold
+        if isinstance(state.get("following"), dict):
+            state["following"] = {k: native(v) for k, v in state["following"].items()}
         start, since, unstable = state.get("start", 1.0), state.get("since", 0), state.get("unstable", False)
         lasted = state.get("lasted", 0)  # 0 in a state from before recovery_ratio: recovery_steps, as then
         carry = state.get("carry", 0)  # 0 in a state from before it: the last instability's own length
@@ -363,6 +368,7 @@ class Confirmation:
         """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value."""
         if not isinstance(state, dict):
             raise ValueError(f"confirmation state must be a dict; got {type(state).__name__}")
+        state = {k: native(v) for k, v in state.items()}  # numpy and 0-d tensor scalars: the values they hold
         need, doubt = state.get("need", 0), state.get("doubt", False)
         ago = state.get("refused_ago", self.REFUSED_MEMORY)
         if isinstance(need, bool) or not isinstance(need, numbers.Integral) or not 0 <= need <= 2:

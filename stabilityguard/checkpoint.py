@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from .checks import native
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 2
@@ -89,6 +91,7 @@ def check_guard_state(state: Any, where: str = "the guard state") -> None:
     if isinstance(fmt, bool) or not isinstance(fmt, numbers.Integral) or not 1 <= fmt <= FORMAT:
         raise bad(f"its format is {fmt!r}; this version reads formats 1 to {FORMAT}")
     for key, value in (state.get("counters") or {}).items():
+        value = native(value)  # a numpy or 0-d tensor scalar: the number it holds
         if key == "last_loss":  # a non-finite one (earlier versions wrote the NaN step's) loads as None
             ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))
             allowed = "a number or None"
@@ -153,6 +156,7 @@ def _load_parts(state: Dict[str, Any], policy: Any, log: Any, features: Any, rol
     now("counters")
     for k, v in state.get("counters", {}).items():
         if hasattr(log.counters, k):  # plain Python numbers (a numpy integer from a hand-made state, too)
+            v = native(v)
             if k == "last_loss":
                 v = float(v) if v is not None and math.isfinite(v) else None
             else:

@@ -140,3 +140,54 @@ def shown(value: Any) -> str:
     """The value as a message shows it: its repr, cut short when it is long (10**400)."""
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+# ----------------------------------------------------------------------------- saved state
+# What a saved state (a checkpoint's policy part) may hold, read back: the value as the part keeps it, or a
+# ValueError naming the part, the field and the value (the guard's load turns it into a ConfigError that
+# names the part and puts its state back). numpy and tensor scalars are the numbers they hold.
+
+def saved_number(part: str, field: str, value: Any, *, low: Optional[float] = None, positive: bool = False,
+                 none_ok: bool = False) -> Optional[float]:
+    """A saved finite number as a ``float`` (``low``: at least that; ``positive``: over 0; ``none_ok``:
+    ``None`` stays ``None``).
+
+    Example:
+        >>> saved_number("trend", "noise", 0.5, low=0.0)
+        0.5
+        >>> saved_number("trend", "noise", float("nan"), low=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: trend noise must be a finite number >= 0; got nan
+    """
+    v = native(value)
+    if none_ok and v is None:
+        return None
+    if not finite_number(v) or (low is not None and v < low) or (positive and not v > 0):
+        bound = " > 0" if positive else f" >= {low:g}" if low is not None else ""
+        raise ValueError(f"{part} {field} must be a finite number{bound}{' or None' if none_ok else ''}; "
+                         f"got {shown(value)}")
+    return float(v)
+
+
+def saved_count(part: str, field: str, value: Any) -> int:
+    """A saved count as an ``int``: an integer >= 0 (an integer-valued float too, as JSON may give one)."""
+    v = whole_number(native(value))
+    if v is None or v < 0:
+        raise ValueError(f"{part} {field} must be an integer >= 0; got {shown(value)}")
+    return v
+
+
+def saved_flag(part: str, field: str, value: Any) -> bool:
+    """A saved flag: ``True`` or ``False`` (numpy's and a 0-d tensor's too; not a string or a number)."""
+    v = native(value)
+    if type(v) is not bool:
+        raise ValueError(f"{part} {field} must be True or False; got {shown(value)}")
+    return v
+
+
+def saved_numbers(part: str, field: str, values: Any, *, low: Optional[float] = None) -> list:
+    """A saved list of finite numbers (each ``low`` or more) as a list of ``float``."""
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{part} {field} must be a list of numbers; got {shown(values)}")
+    return [saved_number(part, f"{field}[{i}]", v, low=low) for i, v in enumerate(values)]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
+from .checks import saved_number
 from .detector import Decision, SpikeDetector
 from .verdict import unspike
 
@@ -124,8 +125,11 @@ class CriticalSpikes:
         names = self.detector.names
         last = state.get("last")
         self.last = None
+        if last is not None and not isinstance(last, dict):
+            raise ValueError(f"policy last must map layer names to norms; got {type(last).__name__}")
         if self.spike_jump is not None and last:
-            self.last = [float(last.get(names[i], 0.0)) for i in range(self.n_layers)]
+            self.last = [saved_number("policy", f"last of {names[i]}", last.get(names[i], 0.0), low=0.0)
+                         for i in range(self.n_layers)]
 
 
 def tame(detector: SpikeDetector, spike_jump: Optional[float], i: int, ratio: float) -> bool:

@@ -252,7 +252,8 @@ class SpikeDetector:
         """Load by name: series missing from ``state`` keep their current (fresh) state.
 
         Raises:
-            ValueError: A baseline (``ema``) that is not a finite number >= 0, or a ``count`` or
+            ValueError: A baseline (``ema``) that is not a finite number >= 0 (over 0 where the count is),
+                or a ``count`` or
                 ``consecutive`` that is not an integer >= 0 (numpy and tensor scalars are numbers); the
                 message names the field, the series and the value. Nothing is loaded then.
         """
@@ -260,6 +261,10 @@ class SpikeDetector:
         ema = [_baseline("ema", names, i, v) for i, v in enumerate(state["ema"])]
         count = [_count("count", names, i, v) for i, v in enumerate(state["count"])]
         consecutive = [_count("consecutive", names, i, v) for i, v in enumerate(state["consecutive"])]
+        for i, (e, c) in enumerate(zip(ema, count)):
+            if c > 0 and not e > 0:  # an observed series' baseline is over 0: only norms over 0 feed it
+                raise ValueError(f"the detector state's 'ema'[{i}] ({_name(names, i)}) must be over 0 with a "
+                                 f"count of {c}; got {shown(state['ema'][i])}")
         pos = {n: i for i, n in enumerate(names)}
         for j, name in enumerate(self.names):
             i = pos.get(name)

@@ -44,6 +44,7 @@ import math
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .checks import saved_count, saved_number, saved_numbers
 from .critical import tame
 from .detector import Decision, SpikeDetector
 from .verdict import CLIP, Verdict
@@ -259,31 +260,48 @@ class LevelShifts:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load the policy state's keys of :meth:`state_dict` (missing ones start afresh; a layer not in
         the checkpoint has no run)."""
-        runs = state.get("runs") or {}
         names = self.detector.names
-        self.runs = [list(map(float, runs.get(names[i], []))) for i in range(self.n_layers)]
-        self._open_runs = any(self.runs)
-        oruns = state.get("outlier_runs") or {}
-        self.outlier_runs = [list(map(float, oruns.get(names[i], []))) for i in range(self.n_layers)]
+        runs = _by_layer(state, "runs", names, self.n_layers)
+        oruns = _by_layer(state, "outlier_runs", names, self.n_layers)
         orel = state.get("outlier_rel") or {}  # a checkpoint from before it: unknown (NaN), the raw rule alone
         if not isinstance(orel, dict):
             raise ValueError(f"policy outlier_rel must map layer names to lists; got {type(orel).__name__}")
-        self.outlier_rel = []
-        for i, run in enumerate(self.outlier_runs):
+        rels = []
+        for i, run in enumerate(oruns):
             rel = orel.get(names[i])
             if rel is not None and not isinstance(rel, (list, tuple)):
                 raise ValueError(f"policy outlier_rel of {names[i]} must be a list; got {type(rel).__name__}")
             if rel is None or len(rel) != len(run):  # missing, or not this run's: unknown, step by step
                 rel = [None] * len(run)
-            self.outlier_rel.append([math.nan if v is None else float(v) for v in rel])
-        self._open_outlier_runs = any(self.outlier_runs)
-        self.calm_refused = int(state.get("calm_refused", 0))
+            rels.append([math.nan if v is None else saved_number("policy", f"outlier_rel of {names[i]}", v, low=0.0)
+                         for v in rel])
+        calm_refused = saved_count("policy", "calm_refused", state.get("calm_refused", 0))
         pos = {n: i for i, n in enumerate(names)}
-        self.provisional = {}
-        for name, p in (state.get("provisional") or {}).items():
-            old = {pos[k]: float(v) for k, v in p["old"].items() if k in pos}
+        provisional = {}
+        saved = state.get("provisional") or {}
+        if not isinstance(saved, dict):
+            raise ValueError(f"policy provisional must map layer names to levels; got {type(saved).__name__}")
+        for name, p in saved.items():
+            if not isinstance(p, dict) or not isinstance(p.get("old"), dict) or "left" not in p:
+                raise ValueError(f"policy provisional of {name!r} must be a dict with 'old' (baselines by name) "
+                                 f"and 'left'; got {p!r}")
+            old = {pos[k]: saved_number("policy", f"provisional of {name!r}: old baseline of {k!r}", v, low=0.0)
+                   for k, v in p["old"].items() if k in pos}
+            left = saved_count("policy", f"provisional of {name!r}: left", p["left"])
             if name in pos and pos[name] < self.n_layers and pos[name] in old:
-                self.provisional[pos[name]] = (old, int(p["left"]))
+                provisional[pos[name]] = (old, left)
+        self.runs, self.outlier_runs, self.outlier_rel = runs, oruns, rels
+        self._open_runs, self._open_outlier_runs = any(self.runs), any(self.outlier_runs)
+        self.calm_refused, self.provisional = calm_refused, provisional
+
+
+def _by_layer(state: Dict[str, Any], key: str, names: Sequence[str], n_layers: int) -> List[List[float]]:
+    """The saved runs ``key`` (ratios by layer name) as one list per layer (empty: no run, or a layer not in
+    the checkpoint); ``ValueError`` naming the layer for a run that is not a list of finite ratios."""
+    runs = state.get(key) or {}
+    if not isinstance(runs, dict):
+        raise ValueError(f"policy {key} must map layer names to lists; got {type(runs).__name__}")
+    return [saved_numbers("policy", f"{key} of {names[i]}", runs.get(names[i], []), low=0.0) for i in range(n_layers)]
 
 
 def relative_ratios(ratios: Sequence[float]) -> List[float]:

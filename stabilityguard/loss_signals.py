@@ -11,6 +11,8 @@ import statistics
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from .checks import saved_count, saved_flag, saved_number, saved_numbers
+
 
 class LossMonitor:
     """Robust z-score of the loss against a window of recent accepted losses (median and MAD).
@@ -127,11 +129,23 @@ class LossMonitor:
                 "stats": None if self.stats is None else list(self.stats)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.values = deque((float(v) for v in state.get("values", [])), maxlen=self.window)
-        self.added = int(state.get("added", len(self.values)))
-        self.run = [float(v) for v in state.get("run", [])]
-        st = state.get("stats")
-        self.stats = (float(st[0]), None if st[1] is None else float(st[1])) if st else None
+        """Load :meth:`state_dict` output; raises ``ValueError`` naming the field on a bad value (the
+        losses finite numbers, ``added`` an integer >= 0, ``stats`` ``None`` or ``[median, scale]`` with a
+        finite median and a scale > 0 or ``None``), and then loads nothing."""
+        if not isinstance(state, dict):
+            raise ValueError(f"loss state must be a dict; got {type(state).__name__}")
+        values = saved_numbers("loss", "values", state.get("values", []))
+        added = saved_count("loss", "added", state.get("added", len(values)))
+        run = saved_numbers("loss", "run", state.get("run", []))
+        st = state.get("stats") or None
+        stats = None
+        if st is not None:
+            if not isinstance(st, (list, tuple)) or len(st) != 2:
+                raise ValueError(f"loss stats must be None or [median, scale]; got {st!r}")
+            stats = (saved_number("loss", "stats median", st[0]),
+                     saved_number("loss", "stats scale", st[1], positive=True, none_ok=True))
+        self.values = deque(values, maxlen=self.window)
+        self.added, self.run, self.stats = added, run, stats
         if self.stats is None and self.values:
             self._refresh()
 
@@ -332,10 +346,19 @@ class LossTrend:
         return {k: getattr(self, k) for k in self._FIELDS} | {"early": list(self.early)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.early = [float(v) for v in state.get("early", [])]
+        """Load :meth:`state_dict` output (a field it lacks keeps its value); raises ``ValueError`` naming
+        the field on a bad value (counts integers >= 0, ``unstable`` a bool, the levels finite numbers, the
+        noise units >= 0), and then loads nothing."""
+        if not isinstance(state, dict):
+            raise ValueError(f"trend state must be a dict; got {type(state).__name__}")
+        loaded: Dict[str, Any] = {"early": saved_numbers("trend", "early", state.get("early", []))}
         for k in self._FIELDS:
             if k in state:
                 v = state[k]
-                setattr(self, k, bool(v) if k == "unstable" else (int(v) if k in ("count", "since", "over") else float(v)))
+                loaded[k] = (saved_flag("trend", k, v) if k == "unstable" else
+                             saved_count("trend", k, v) if k in ("count", "since", "over") else
+                             saved_number("trend", k, v, low=0.0 if k in ("noise", "calm_noise") else None))
+        for k, v in loaded.items():
+            setattr(self, k, v)
         if "calm_noise" not in state and "noise" in state:  # a checkpoint from before the gate
             self.calm_noise = self.noise

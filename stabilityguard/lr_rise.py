@@ -35,6 +35,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from .checks import native
+
 
 def scheduled_lr(groups: Any) -> Optional[float]:
     """The first parameter group's LR as a float, or ``None`` (no group, an LR that is not a real number or
@@ -133,7 +135,7 @@ class LRRise:
             raise ValueError(f"lr_rise state must be a dict; got {type(state).__name__}")
         values = {}
         for key in ("ref", "origin", "began"):
-            v = state.get(key)
+            v = native(state.get(key))  # (a numpy or 0-d tensor scalar: the number it holds)
             parsed = None if v is None else _positive(v)
             if v is not None and parsed is None:
                 raise ValueError(f"lr_rise {key} must be a positive finite number or None; got {v!r}")

@@ -511,7 +511,7 @@ def test_a_joining_layer_whose_natural_level_is_far_above_its_first_gradient_is_
     # A counter that loaded and broke the next step (None + 1), or made step numbers floats or NaN:
     *[({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}, "counters": {"steps": v}},
        f"counter 'steps' is {v!r}, not an integer >= 0".replace("(", r"\(").replace(")", r"\)"))
-      for v in (None, 5.0, math.nan, True, -1, torch.tensor(5))],
+      for v in (None, 5.0, math.nan, True, -1, {"n": 5})],  # (a 0-d tensor is the number it holds: loads)
     ({"policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}},
       "counters": {"last_loss": "0.5"}}, "counter 'last_loss' is '0.5', not a number or None"),
     ({"format": 99, "policy": {"detector": {"names": [], "ema": [], "count": [], "consecutive": []}}},
